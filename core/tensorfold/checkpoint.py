@@ -1,0 +1,108 @@
+"""An HF-format checkpoint directory: config, generation defaults and lazily read safetensors weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory is missing a file or holds a damaged one; the message names it."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} is missing") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+
+
+class Checkpoint:
+    """Reads a checkpoint directory; tensors are read from their shard only when asked for."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
+        self.config = _read_json(self.directory / "config.json")
+        generation = self.directory / "generation_config.json"
+        self.generation = _read_json(generation) if generation.exists() else {}
+        self._shard_of = self._index()
+
+    @property
+    def model_type(self) -> str:
+        """The config's model_type (the key that finds the family)."""
+        model_type = self.config.get("model_type")
+        if not isinstance(model_type, str):
+            raise CheckpointError(f"{self.directory / 'config.json'} has no model_type")
+        return model_type
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+        return sorted(self._shard_of)
+
+    def shards(self) -> list[Path]:
+        """The safetensors files, in name order."""
+        return sorted({self.directory / shard for shard in self._shard_of.values()})
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard now."""
+        shard = self._shard_of.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.directory} has no tensor {name!r}")
+        with safe_open(self.directory / shard, framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def tensors(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, shard by shard, with a progress line on stderr."""
+        total = len(self._shard_of)
+        done = 0
+        for shard in self.shards():
+            with safe_open(shard, framework="pt") as handle:
+                for name in handle.keys():
+                    done += 1
+                    if progress:
+                        _progress(done, total, shard.name)
+                    yield name, handle.get_tensor(name)
+        if progress and total:
+            sys.stderr.write("\n")
+
+    def _index(self) -> dict[str, str]:
+        index = self.directory / INDEX
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index} has no weight_map")
+            for shard in set(weight_map.values()):
+                if not (self.directory / shard).is_file():
+                    raise CheckpointError(f"{index} names shard {shard}, which is missing")
+            return dict(weight_map)
+        single = self.directory / SINGLE
+        if not single.is_file():
+            raise CheckpointError(f"{self.directory} has neither {SINGLE} nor {INDEX}")
+        try:
+            with safe_open(single, framework="pt") as handle:
+                return {name: SINGLE for name in handle.keys()}
+        except Exception as err:
+            raise CheckpointError(f"{single} cannot be read as safetensors: {err}") from err
+
+
+def _progress(done: int, total: int, shard: str) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {shard}")
+    sys.stderr.flush()

@@ -1,0 +1,64 @@
+"""What the server and the engine exchange: requests in, events out. No tensors cross this line."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen
+class Sampling:
+    """How one request samples: greedy when temperature is 0; a seed makes a reply reproducible."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@attrs.frozen
+class TokenEvent:
+    """One sampled token."""
+
+    token_id: int
+
+
+@attrs.frozen
+class DoneEvent:
+    """The request ended: `stop` (end token or stop string), `length` (max_tokens or context) or `cancelled`."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class ErrorEvent:
+    """The engine failed this request; the message is safe to show a client."""
+
+    message: str
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+@attrs.define
+class Request:
+    """A prompt to continue; `on_event` is called from the engine thread and must not block."""
+
+    id: str
+    prompt: tuple[int, ...] = attrs.field(converter=tuple)
+    sampling: Sampling
+    on_event: Callable[[Event], None] = attrs.field(repr=False)
+    cancelled: threading.Event = attrs.field(factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request at its next step (client gone, stop string seen)."""
+        self.cancelled.set()

@@ -1,0 +1,48 @@
+"""The frozen step plan: everything a family's forward receives for one step, built by the scheduler."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class StreamStep:
+    """One stream's share of a step: its tokens at absolute positions [start, start + len(tokens))."""
+
+    slot: int
+    start: int
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    sample: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError("a StreamStep needs at least one token")
+        if self.start < 0 or self.slot < 0:
+            raise ValueError(f"start {self.start} and slot {self.slot} must be >= 0")
+
+    @property
+    def end(self) -> int:
+        """The absolute position after this step's last row."""
+        return self.start + len(self.tokens)
+
+
+@attrs.frozen
+class StepPlan:
+    """The streams of one step; the forward returns logits for each stream with `sample`, in this order."""
+
+    streams: tuple[StreamStep, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        slots = [s.slot for s in self.streams]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a step holds one share per slot, got slots {slots}")
+
+    @property
+    def rows(self) -> int:
+        """Token rows in this step."""
+        return sum(len(s.tokens) for s in self.streams)
+
+    @property
+    def sampled(self) -> int:
+        """How many logit rows the forward returns."""
+        return sum(1 for s in self.streams if s.sample)

@@ -1,0 +1,65 @@
+"""Every flag and TF_* switch, read once at startup into one frozen record; nothing else reads the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import attrs
+
+TRUE = {"1", "true", "on", "yes"}
+FALSE = {"0", "false", "off", "no"}
+DEFAULT_CONTEXT = 4096
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+class SwitchError(ValueError):
+    """A TF_* switch holds a value that is neither on nor off."""
+
+
+def read_switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """One on/off switch from the environment; a value that is neither raises naming the switch."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise SwitchError(f"{name}={raw!r} is neither on (1, true, on, yes) nor off (0, false, off, no)")
+
+
+def cache_home(environ: Mapping[str, str]) -> Path:
+    """The user cache directory TensorFold writes under (XDG_CACHE_HOME or ~/.cache)."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tensorfold"
+
+
+@attrs.frozen
+class Settings:
+    """What one `tensorfold serve` runs with."""
+
+    family: str | None = None
+    model: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    context: int = DEFAULT_CONTEXT
+    dtype: str = "auto"
+    device: str = "auto"
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    served_name: str | None = None
+    max_waiting: int = 64
+    cache_dir: Path = attrs.field(factory=lambda: cache_home(os.environ))
+    switches: Mapping[str, bool] = attrs.field(factory=dict, converter=dict)
+
+    def switch(self, name: str) -> bool:
+        """A switch read at startup; asking for one that was not read is a bug, not a default."""
+        return self.switches[name]
+
+
+def read_settings(environ: Mapping[str, str], switch_defaults: Iterable[tuple[str, bool]], **flags: object) -> Settings:
+    """Build the record from parsed flags and the environment; the only place TF_* switches are read."""
+    switches = {name: read_switch(environ, name, default) for name, default in switch_defaults}
+    return Settings(cache_dir=cache_home(environ), switches=switches, **flags)
