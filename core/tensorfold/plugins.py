@@ -67,8 +67,7 @@ def resolve(pm: pluggy.PluginManager, names: list[str]) -> dict[str, Family]:
 
 def _bind(pm: pluggy.PluginManager, name: str, plugin: object) -> Family:
     module = _module_of(plugin)
-    implemented = {impl.function.__name__ for hook in pm.get_hookcallers(plugin) or [] for impl in
-                   hook.get_hookimpls() if impl.plugin is plugin}
+    implemented = {hook.name for hook in pm.get_hookcallers(plugin) or []}
     missing = [hook for hook in REQUIRED_HOOKS if hook not in implemented]
     if missing:
         raise PluginError(f"family {name!r} (plugin {module}) does not implement {', '.join(missing)}")

@@ -1,0 +1,5 @@
+"""`python -m tensorfold` is the `tensorfold` command."""
+
+from tensorfold.cli import main
+
+main()

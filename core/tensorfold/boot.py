@@ -1,0 +1,125 @@
+"""Startup: settings → family → checkpoint → refusals (all at once) → model, memory, engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold.embedded import embedded_checkpoint
+from tensorfold.engine.api import Sampling
+from tensorfold.engine.runner import Engine
+from tensorfold.family import Declarations, Family
+from tensorfold.kv import KvStore
+from tensorfold.plugins import installed_names, load_families
+from tensorfold.refusals import Refusal, raise_if_any
+from tensorfold.service import Service
+from tensorfold.settings import Settings
+from tensorfold.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_family(name: str | None) -> Family:
+    """The family `--family` names, or the only one installed."""
+    if name is None:
+        names = installed_names()
+        if len(names) != 1:
+            raise SystemExit(f"--family is needed: installed families are {', '.join(names) or 'none'}")
+        name = names[0]
+    return load_families([name])[name]
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on the CPU and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[dtype]
+
+
+def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) -> list[Refusal]:
+    """The core's own reasons to refuse these settings."""
+    found = []
+    if settings.context < 2:
+        found.append(f"--context {settings.context} is too small: it must be at least 2")
+    if settings.prefill_chunk < 1:
+        found.append(f"--prefill-chunk {settings.prefill_chunk} must be at least 1")
+    if settings.max_waiting < 1:
+        found.append(f"--max-waiting {settings.max_waiting} must be at least 1")
+    if settings.dtype not in ("auto", *DTYPES):
+        found.append(f"--dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    try:
+        device = resolve_device(settings.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            found.append(f"--device {settings.device} asks for CUDA, but torch sees no CUDA device")
+        elif device.type not in ("cpu", "cuda"):
+            found.append(f"--device {settings.device!r} is not auto, cpu, cuda or cuda:N")
+    except RuntimeError as err:
+        found.append(f"--device {settings.device!r} is not a device torch knows: {err}")
+    if checkpoint.model_type not in family.model_types:
+        found.append(f"--family {family.name} serves {', '.join(family.model_types)}, but the checkpoint at "
+                     f"{checkpoint.directory} is model_type {checkpoint.model_type!r}")
+    return [Refusal("core", message) for message in found]
+
+
+def generation_defaults(generation: Mapping[str, Any], tokenizer: ChatTokenizer) -> Sampling:
+    """Sampling defaults from generation_config.json, as vLLM applies them."""
+    temperature = float(generation.get("temperature", 1.0)) if generation.get("do_sample", True) else 0.0
+    return Sampling(temperature=temperature, top_p=float(generation.get("top_p", 1.0)),
+                    top_k=int(generation.get("top_k", 0) or 0), min_p=float(generation.get("min_p", 0.0) or 0.0),
+                    max_tokens=int(generation.get("max_new_tokens", 4096) or 4096), stop_token_ids=tokenizer.eos_ids)
+
+
+@attrs.frozen
+class Loaded:
+    """Everything startup built, for `serve` and for tests that drive the engine directly."""
+
+    settings: Settings
+    family: Family
+    checkpoint: Checkpoint
+    declarations: Declarations
+    device: torch.device
+    dtype: torch.dtype
+    service: Service
+    engine: Engine
+
+
+def checkpoint_of(settings: Settings, family: Family) -> Checkpoint:
+    """The checkpoint `--model` names, or the family's embedded default."""
+    directory = settings.model if settings.model is not None else embedded_checkpoint(family, settings.cache_dir)
+    return Checkpoint(Path(directory))
+
+
+def boot(settings: Settings, family: Family) -> Loaded:
+    """Check everything, refuse with every reason at once, then load and start the engine."""
+    checkpoint = checkpoint_of(settings, family)
+    refusals = core_refusals(settings, family, checkpoint)
+    refusals += [Refusal(family.name, m) for m in family.refusals(checkpoint.config, settings)]
+    raise_if_any(refusals)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    declarations = family.declare(checkpoint.config, dtype)
+    model = family.load(checkpoint, dtype, device)
+    tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
+    kv = KvStore(declarations.layout, slots=1, capacity=settings.context, device=device)
+    engine = Engine(model, kv, settings.prefill_chunk, settings.context, settings.max_waiting)
+    name = settings.served_name or checkpoint.directory.name
+    service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
+                      context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer))
+    log.info("family %s, %s on %s, %s; KV %.1f MiB for a %d-token window", family.name, checkpoint.directory,
+             device, str(dtype).removeprefix("torch."), kv.nbytes / 2**20, settings.context)
+    return Loaded(settings=settings, family=family, checkpoint=checkpoint, declarations=declarations,
+                  device=device, dtype=dtype, service=service, engine=engine)

@@ -1,0 +1,131 @@
+"""The `tensorfold` command: thin typer commands that call into the core."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tensorfold.family import PluginError
+from tensorfold.refusals import Refused
+from tensorfold.settings import DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK, SwitchError, read_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve hybrid LLMs that resume conversations.")
+
+FamilyOpt = Annotated[Optional[str], typer.Option("--family", help="Family name (an installed entry point).")]
+ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="HF-format checkpoint directory; "
+                                                  "without it, the family's embedded default.")]
+ContextOpt = Annotated[int, typer.Option("--context", help="Tokens per stream: prompt + reply.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
+                                       "bfloat16 or float16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+ChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="Prefill grid: chunk k covers [k*N, (k+1)*N).")]
+
+
+def _settings(family: str, **flags: object):
+    from tensorfold.boot import pick_family
+
+    chosen = pick_family(family)
+    settings = read_settings(os.environ, [(chosen.request_starts_switch, True)], family=chosen.name, **flags)
+    return settings, chosen
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(str(err), err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def serve(
+    family: FamilyOpt = None,
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8080,
+    context: ContextOpt = DEFAULT_CONTEXT,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    prefill_chunk: ChunkOpt = DEFAULT_PREFILL_CHUNK,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model id in the API (default: dir name).")] = None,
+    max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve a checkpoint over the OpenAI-compatible HTTP API."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings, chosen = _settings(family, model=model, host=host, port=port, context=context, dtype=dtype,
+                                     device=device, prefill_chunk=prefill_chunk, served_name=served_model_name,
+                                     max_waiting=max_waiting)
+        from tensorfold.boot import boot
+
+        loaded = boot(settings, chosen)
+    except (PluginError, Refused, SwitchError, OSError, ValueError) as err:
+        _fail(err)
+    from tensorfold.launch import run_server
+
+    run_server(loaded, log_level)
+
+
+@app.command("make-tiny")
+def make_tiny(
+    directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.")],
+    family: FamilyOpt = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a family's small random checkpoint (HF format) for trials and tests."""
+    from tensorfold.boot import pick_family
+
+    try:
+        pick_family(family).make_tiny(directory, seed=seed)
+    except PluginError as err:
+        _fail(err)
+    typer.echo(f"wrote {directory}")
+
+
+@app.command()
+def families(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List installed families with every declaration (made on each family's tiny config)."""
+    from tensorfold.explain import describe_families
+
+    try:
+        found = describe_families()
+    except PluginError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(found, indent=2))
+        return
+    for entry in found:
+        layout = entry["layout"]
+        typer.echo(f"{entry['name']} ({entry['module']}): model types {', '.join(entry['model_types'])}; "
+                   f"switch {entry['request_starts_switch']}; image {entry['image']['name']} "
+                   f"v{entry['image']['version']}; tiny config: {layout['bytes_per_token']:.0f} B/token, "
+                   f"{layout['fixed_bytes_per_stream']} B fixed per stream")
+
+
+@app.command()
+def explain(
+    family: FamilyOpt = None,
+    model: ModelOpt = None,
+    context: ContextOpt = DEFAULT_CONTEXT,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Print the memory plan for a checkpoint without serving it."""
+    from tensorfold.explain import plan_text, serving_plan
+
+    try:
+        settings, chosen = _settings(family, model=model, context=context, dtype=dtype, device=device)
+        plan = serving_plan(settings, chosen)
+    except (PluginError, Refused, SwitchError, OSError, ValueError) as err:
+        _fail(err)
+    typer.echo(json.dumps(plan, indent=2) if as_json else plan_text(plan))
+
+
+def main() -> None:
+    """Console entry point."""
+    sys.exit(app())

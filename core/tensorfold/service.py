@@ -1,0 +1,34 @@
+"""What the HTTP server is handed: the engine to submit to and the facts it answers with."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+
+from tensorfold.engine.api import Request, Sampling
+from tensorfold.tokenizer import ChatTokenizer
+
+
+class QueueFull(Exception):
+    """More requests wait than --max-waiting allows; the client should retry later."""
+
+
+class Submitter(Protocol):
+    """The engine as the server sees it."""
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; events reach request.on_event from the engine thread. Raises QueueFull."""
+        ...
+
+
+@attrs.frozen
+class Service:
+    """The server's view of one served model."""
+
+    engine: Submitter
+    tokenizer: ChatTokenizer
+    model_name: str
+    family: str
+    context: int
+    defaults: Sampling

@@ -1,0 +1,132 @@
+"""Conformance checks any family runs in its own tests, with its own tiny-checkpoint maker.
+
+Each check raises AssertionError with the numbers when the family breaks a contract, and returns what it
+measured so a test can print it. The kit drives the family exactly as the engine does: StepPlans on the
+absolute grid, memory through a KvStore (poisoned, so a read of an unwritten row shows up as NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold.engine.grid import grid_cuts
+from tensorfold.family import Declarations, Family, FamilyModel
+from tensorfold.image import StateImage, put_back, read_out
+from tensorfold.kv import KvStore
+from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.settings import Settings
+
+
+@attrs.frozen
+class Subject:
+    """A family loaded on one checkpoint, ready to be driven."""
+
+    family: Family
+    checkpoint: Checkpoint
+    declarations: Declarations
+    model: FamilyModel
+    dtype: torch.dtype
+    device: torch.device
+
+    def store(self, slots: int, capacity: int) -> KvStore:
+        """Fresh memory for `slots` streams, poisoned."""
+        return KvStore(self.declarations.layout, slots, capacity, self.device, poison=True)
+
+
+def load(family: Family, directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Subject:
+    """Load a family on a checkpoint directory as the server would."""
+    checkpoint = Checkpoint(directory)
+    declarations = family.declare(checkpoint.config, dtype)
+    model = family.load(checkpoint, dtype, torch.device(device))
+    return Subject(family, checkpoint, declarations, model, dtype, torch.device(device))
+
+
+def prefill(subject: Subject, kv: KvStore, slot: int, tokens: Sequence[int], start: int, end: int,
+            cuts: Sequence[int] | int) -> torch.Tensor:
+    """Run rows [start, end) in pieces (a grid chunk size, or explicit cut positions); return the last logits."""
+    bounds = list(grid_cuts(start, end, cuts)) if isinstance(cuts, int) else _pieces(start, end, cuts)
+    logits = None
+    for a, b in bounds:
+        kv_step = StepPlan((StreamStep(slot, a, tuple(tokens[a:b]), sample=True),))
+        logits = subject.model.forward(kv_step, kv)
+    assert logits is not None, f"nothing to prefill in [{start}, {end})"
+    return logits[0]
+
+
+def decode(subject: Subject, kv: KvStore, slot: int, logits: torch.Tensor, position: int,
+           steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decode `steps` tokens from `logits` at `position`; return the tokens and every step's logits."""
+    tokens, seen = [], [logits]
+    for _ in range(steps):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        logits = subject.model.forward(StepPlan((StreamStep(slot, position, (token,)),)), kv)[0]
+        seen.append(logits)
+        position += 1
+    return tokens, seen
+
+
+def _pieces(start: int, end: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    points = [start] + [c for c in sorted(cuts) if start < c < end] + [end]
+    return list(zip(points, points[1:]))
+
+
+def check_declarations(family: Family, directory: Path, dtype: torch.dtype = torch.float32) -> Declarations:
+    """The family's declarations are valid for its checkpoint, and its default settings are not refused."""
+    checkpoint = Checkpoint(directory)
+    assert checkpoint.model_type in family.model_types, (
+        f"{family.name} does not serve its own checkpoint's model_type {checkpoint.model_type!r}")
+    found = family.declare(checkpoint.config, dtype)
+    assert found.layout.fixed_bytes + found.layout.bytes_per_token > 0, "the Layout declares no memory at all"
+    assert found.identity, "family_identity declares no facts"
+    refusals = family.refusals(checkpoint.config, Settings(family=family.name, context=256))
+    assert refusals == [], f"the family refuses its own tiny checkpoint: {refusals}"
+    return found
+
+
+def check_resume_bitwise(subject: Subject, tokens: Sequence[int], at: int, chunk: int, steps: int = 8) -> int:
+    """State read out at `at` → image bytes → put back in another slot → continue is bit-identical to not
+    stopping; the restored state's image is byte-equal to the kept one. Returns the image's size in bytes."""
+    assert 0 < at < len(tokens), f"at={at} must fall inside the {len(tokens)}-token prompt"
+    capacity = len(tokens) + steps + 1
+    kv = subject.store(2, capacity)
+    fmt = subject.declarations.image
+    prefill(subject, kv, 0, tokens, 0, at, chunk)
+    kept = read_out(kv, 0, at, fmt)
+    data = kept.to_bytes()
+    put_back(kv, 1, StateImage.from_bytes(data), fmt)
+    restored = read_out(kv, 1, at, fmt)
+    assert restored.to_bytes() == data, "the restored state's image differs from the kept one"
+    runs = []
+    for slot in (0, 1):
+        logits = prefill(subject, kv, slot, tokens, at, len(tokens), chunk)
+        runs.append(decode(subject, kv, slot, logits, len(tokens), steps))
+    (fresh_tokens, fresh_logits), (resumed_tokens, resumed_logits) = runs
+    assert resumed_tokens == fresh_tokens, f"resumed tokens {resumed_tokens} != fresh {fresh_tokens}"
+    for step, (a, b) in enumerate(zip(fresh_logits, resumed_logits)):
+        assert torch.equal(a, b), f"step {step}: resumed logits differ from fresh by {(a - b).abs().max():.3e}"
+    layout = subject.declarations.layout
+    assert len(kept.own) + len(kept.rows) == layout.stream_bytes(at), (
+        f"kept bytes {len(kept.own) + len(kept.rows)} != Layout's {layout.stream_bytes(at)} at {at} rows")
+    return len(data)
+
+
+def check_chunked(subject: Subject, tokens: Sequence[int], cuts: Sequence[int], tolerance: float,
+                  steps: int = 8) -> float:
+    """Prefill cut at `cuts` vs one shot: final logits within `tolerance` (max-abs) and the same greedy tokens.
+    Returns the largest difference seen."""
+    kv = subject.store(2, len(tokens) + steps + 1)
+    one = prefill(subject, kv, 0, tokens, 0, len(tokens), [])
+    cut = prefill(subject, kv, 1, tokens, 0, len(tokens), cuts)
+    one_tokens, one_logits = decode(subject, kv, 0, one, len(tokens), steps)
+    cut_tokens, cut_logits = decode(subject, kv, 1, cut, len(tokens), steps)
+    worst = max(float((a - b).abs().max()) for a, b in zip(one_logits, cut_logits))
+    assert torch.isfinite(one).all(), "one-shot logits are not finite"
+    assert worst <= tolerance, f"chunked vs one-shot differ by {worst:.3e} > {tolerance:.1e}"
+    assert cut_tokens == one_tokens, f"chunked tokens {cut_tokens} != one-shot {one_tokens}"
+    return worst

@@ -1,0 +1,99 @@
+"""The `tensorfold` command, run as a real process where it matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from typer.testing import CliRunner
+
+from tensorfold.cli import app
+
+RUNNER = CliRunner()
+
+
+def test_make_tiny_then_explain(tmp_path):
+    result = RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    result = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m"), "--json",
+                                 "--context", "1024"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    assert plan["bytes_per_token"] == per_token and plan["fixed_bytes_per_stream"] == 0
+    assert plan["stream_bytes_at_context"] == 1024 * per_token and plan["refusals"] == []
+    assert plan["weights_bytes"] > 0
+    text = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m")]).output
+    assert "per token" in text and "attention" in text and "no refusals" in text
+
+
+def test_explain_shows_refusals(tmp_path):
+    RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    result = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m"),
+                                 "--context", "999999"])
+    assert result.exit_code == 0 and "refused: [example] --context 999999" in result.output
+
+
+def test_families_lists_the_template_family():
+    result = RUNNER.invoke(app, ["families"])
+    assert result.exit_code == 0 and "example (tensorfold_example.plugin): model types qwen3" in result.output
+
+
+def test_an_unknown_family_exits_with_a_clear_error():
+    result = RUNNER.invoke(app, ["make-tiny", "--family", "nope", "/tmp/x"])
+    assert result.exit_code == 2 and "no family named 'nope' is installed" in result.output
+
+
+def test_serve_refuses_bad_flags_all_at_once(tmp_path):
+    RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    proc = subprocess.run([sys.executable, "-m", "tensorfold", "serve", "--family", "example", "--model",
+                           str(tmp_path / "m"), "--context", "1", "--prefill-chunk", "0", "--device", "cuda:0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stderr
+    for needle in ("--context 1 is too small", "--prefill-chunk 0", "--device cuda:0 asks for CUDA"):
+        assert needle in proc.stderr
+
+
+def test_serve_refuses_a_bad_switch_value(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tensorfold", "serve", "--family", "example"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TF_EXAMPLE_REQUEST_STARTS": "maybe", "XDG_CACHE_HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "TF_EXAMPLE_REQUEST_STARTS='maybe'" in proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_without_a_model_serves_the_embedded_default(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "example", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log.seek(0)
+    text = log.read()
+    assert "wrote the embedded default of family example" in text, text
+    assert (tmp_path / "tensorfold" / "embedded").is_dir()

@@ -1,0 +1,47 @@
+"""The reference memory: rows by slot and position, fixed states zeroed for a new stream, poison on request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorfold.kv import KvStore
+from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
+
+LAYOUT = Layout([LayerLayout("mixed", rows=[RowState("k", (2, 3), "float32"), RowState("p", (4,), "float32", every=4)],
+                             fixed=[FixedState("s", (2, 2), "float32")])])
+
+
+def test_rows_written_are_read_back_per_slot():
+    kv = KvStore(LAYOUT, slots=2, capacity=16)
+    values = torch.randn(5, 2, 3)
+    kv.write_rows(0, "k", 1, 3, values)
+    assert torch.equal(kv.rows(0, "k", 1, 8)[3:8], values)
+    assert kv.rows(0, "k", 0, 8).abs().sum() == 0
+
+
+def test_pooled_rows_are_entries_per_group():
+    kv = KvStore(LAYOUT, slots=1, capacity=16)
+    kv.write_rows(0, "p", 0, 4, torch.ones(2, 4))
+    assert kv.rows(0, "p", 0, 11).shape == (2, 4)
+    assert kv.rows(0, "p", 0, 12).shape == (3, 4)
+
+
+def test_writing_past_the_window_is_an_error():
+    kv = KvStore(LAYOUT, slots=1, capacity=4)
+    with pytest.raises(IndexError, match="exceed the window"):
+        kv.write_rows(0, "k", 0, 2, torch.zeros(3, 2, 3))
+
+
+def test_clear_zeroes_fixed_states_and_poisons_rows():
+    kv = KvStore(LAYOUT, slots=2, capacity=8, poison=True)
+    kv.fixed(0, "s", 0).fill_(3.0)
+    kv.fixed(0, "s", 1).fill_(3.0)
+    kv.clear(0)
+    assert kv.fixed(0, "s", 0).abs().sum() == 0 and kv.fixed(0, "s", 1).sum() == 12
+    assert torch.isnan(kv.rows(0, "k", 0, 8)).all()
+
+
+def test_nbytes_is_the_window_times_row_bytes_plus_fixed():
+    kv = KvStore(LAYOUT, slots=3, capacity=8)
+    assert kv.nbytes == 3 * (8 * 2 * 3 * 4 + 2 * 4 * 4 + 2 * 2 * 4)

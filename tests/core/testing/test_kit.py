@@ -1,0 +1,63 @@
+"""The conformance kit run on the template family, and shown to catch a family that breaks each contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorfold.testing import kit
+
+PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(70)]
+
+
+@pytest.fixture(scope="module")
+def subject(example, tiny_dir):
+    return kit.load(example, tiny_dir)
+
+
+def test_declarations_are_valid(example, tiny_dir):
+    found = kit.check_declarations(example, tiny_dir)
+    assert found.layout.bytes_per_token > 0
+
+
+@pytest.mark.parametrize("at, chunk", [(16, 16), (32, 16), (48, 24), (17, 64)])
+def test_resume_is_bitwise(subject, at, chunk):
+    size = kit.check_resume_bitwise(subject, PROMPT, at=at, chunk=chunk)
+    assert size > subject.declarations.layout.stream_bytes(at)
+
+
+def test_chunked_matches_one_shot(subject):
+    worst = kit.check_chunked(subject, PROMPT, cuts=[5, 17, 40, 64], tolerance=1e-4)
+    assert worst < 1e-4
+
+
+class Leaky:
+    """A wrapper model that carries hidden state outside the KvStore — exactly what the kit must catch."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+        self.steps = 0
+
+    def forward(self, plan, kv):
+        self.steps += 1
+        return self.inner.forward(plan, kv) + 1e-3 * self.steps
+
+
+def test_the_kit_catches_state_kept_outside_the_declared_memory(subject):
+    import attrs
+
+    leaky = attrs.evolve(subject, model=Leaky(subject.model))
+    with pytest.raises(AssertionError, match="resumed logits differ"):
+        kit.check_resume_bitwise(leaky, PROMPT, at=32, chunk=16)
+
+
+def test_the_kit_catches_a_chunking_error(subject):
+    import attrs
+
+    class Shifted(Leaky):
+        def forward(self, plan, kv):
+            out = self.inner.forward(plan, kv)
+            return out + (0.5 if len(plan.streams[0].tokens) > 1 and plan.streams[0].start > 0 else 0.0)
+
+    with pytest.raises(AssertionError, match="chunked vs one-shot differ"):
+        kit.check_chunked(attrs.evolve(subject, model=Shifted(subject.model)), PROMPT, cuts=[10], tolerance=1e-4)
