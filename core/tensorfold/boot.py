@@ -75,6 +75,14 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
     return [Refusal("core", message) for message in found]
 
 
+def all_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) -> list[Refusal]:
+    """The core's refusals, then the family's (asked only of a checkpoint of a model type it serves)."""
+    found = core_refusals(settings, family, checkpoint)
+    if checkpoint.model_type in family.model_types:
+        found += [Refusal(family.name, m) for m in family.refusals(checkpoint.config, settings)]
+    return found
+
+
 def generation_defaults(generation: Mapping[str, Any], tokenizer: ChatTokenizer) -> Sampling:
     """Sampling defaults from generation_config.json, as vLLM applies them."""
     temperature = float(generation.get("temperature", 1.0)) if generation.get("do_sample", True) else 0.0
@@ -106,9 +114,7 @@ def checkpoint_of(settings: Settings, family: Family) -> Checkpoint:
 def boot(settings: Settings, family: Family) -> Loaded:
     """Check everything, refuse with every reason at once, then load and start the engine."""
     checkpoint = checkpoint_of(settings, family)
-    refusals = core_refusals(settings, family, checkpoint)
-    refusals += [Refusal(family.name, m) for m in family.refusals(checkpoint.config, settings)]
-    raise_if_any(refusals)
+    raise_if_any(all_refusals(settings, family, checkpoint))
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     declarations = family.declare(checkpoint.config, dtype)

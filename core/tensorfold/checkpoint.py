@@ -71,6 +71,8 @@ class Checkpoint:
         """Every tensor, shard by shard, with a progress line on stderr."""
         total = len(self._shard_of)
         done = 0
+        progress = progress and sys.stderr.isatty()
+        log.info("loading %d tensors from %d shard(s) in %s", total, len(self.shards()), self.directory)
         for shard in self.shards():
             with safe_open(shard, framework="pt") as handle:
                 for name in handle.keys():

@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from tensorfold.boot import checkpoint_of, core_refusals, resolve_device, resolve_dtype
+from tensorfold.boot import all_refusals, checkpoint_of, resolve_device, resolve_dtype
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
-from tensorfold.refusals import Refusal
 from tensorfold.settings import Settings
 
 MIB = 2**20
@@ -43,8 +42,7 @@ def _itemsize(stored: str) -> int:
 def serving_plan(settings: Settings, family: Family) -> dict[str, Any]:
     """What `serve` would hold: weights, bytes per token by layer kind, fixed bytes per stream, refusals."""
     checkpoint = checkpoint_of(settings, family)
-    refusals = core_refusals(settings, family, checkpoint)
-    refusals += [Refusal(family.name, m) for m in family.refusals(checkpoint.config, settings)]
+    refusals = all_refusals(settings, family, checkpoint)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device) if settings.dtype in ("auto", "float32", "bfloat16",
                                                                           "float16") else torch.float32

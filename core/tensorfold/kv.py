@@ -47,6 +47,8 @@ class KvStore:
     def write_rows(self, layer: int, name: str, slot: int, start: int, values: torch.Tensor) -> None:
         """Store entries from entry index `start // every` on; the caller writes only complete entries."""
         state = self._rows[layer][name]
+        if values.dtype != state.dtype:
+            raise TypeError(f"layer {layer} {name}: the Layout declares {state.dtype}, the family wrote {values.dtype}")
         first = start // self._every(layer, name)
         if first + values.shape[0] > state.shape[1]:
             raise IndexError(f"layer {layer} {name}: entries up to {first + values.shape[0]} exceed the window "

@@ -45,3 +45,9 @@ def test_clear_zeroes_fixed_states_and_poisons_rows():
 def test_nbytes_is_the_window_times_row_bytes_plus_fixed():
     kv = KvStore(LAYOUT, slots=3, capacity=8)
     assert kv.nbytes == 3 * (8 * 2 * 3 * 4 + 2 * 4 * 4 + 2 * 2 * 4)
+
+
+def test_a_family_writing_the_wrong_dtype_is_told():
+    kv = KvStore(LAYOUT, slots=1, capacity=8)
+    with pytest.raises(TypeError, match="the Layout declares torch.float32, the family wrote torch.bfloat16"):
+        kv.write_rows(0, "k", 0, 0, torch.zeros(1, 2, 3, dtype=torch.bfloat16))

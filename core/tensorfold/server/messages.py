@@ -1,0 +1,93 @@
+"""Chat messages as the template expects them: text content only, refused by name when it is not text."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tensorfold.server.errors import bad_request
+from tensorfold.server.fields import json_type
+
+IMAGE_PARTS = {"image_url", "input_image", "image"}
+AUDIO_PARTS = {"input_audio", "audio"}
+TEXT_PARTS = {"text", "input_text"}
+RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+def read_messages(body: Mapping[str, Any], name: str = "messages") -> list[dict[str, Any]]:
+    """The `messages` array, each message's content flattened to a string (None kept for assistants)."""
+    value = body.get(name)
+    if value is None:
+        raise bad_request(f"'{name}' is required", name)
+    if not isinstance(value, list):
+        raise bad_request(f"'{name}' must be an array of messages, not {json_type(value)}", name)
+    if not value:
+        raise bad_request(f"'{name}' must hold at least one message", name)
+    return [read_message(message, f"{name}[{i}]") for i, message in enumerate(value)]
+
+
+def read_message(message: Any, where: str) -> dict[str, Any]:
+    """One message: a role string and text content; other keys pass through to the template."""
+    if not isinstance(message, dict):
+        raise bad_request(f"'{where}' must be an object with 'role' and 'content', not {json_type(message)}", where)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_request(f"'{where}.role' must be a non-empty string", f"{where}.role")
+    content = message.get("content")
+    if content is None:
+        if role != "assistant":
+            raise bad_request(f"'{where}.content' is required for a {role} message", f"{where}.content")
+        flat = None
+    else:
+        flat = flatten_content(content, f"{where}.content")
+    return {**message, "role": role, "content": flat}
+
+
+def flatten_content(content: Any, where: str) -> str:
+    """A string, or a list of text parts joined with newlines (as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"'{where}' must be a string or an array of content parts, not {json_type(content)}",
+                          where)
+    texts = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS:
+            raise bad_request("images are not supported by this server", at)
+        if kind in AUDIO_PARTS:
+            raise bad_request("audio is not supported by this server", at)
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(f"'{at}' must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                              f"got type {kind!r}", at)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def read_template_kwargs(body: Mapping[str, Any], name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra variables for the chat template (e.g. enable_thinking); the template's own names are refused."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"'{name}' must be an object, not {json_type(value)}", name)
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & value.keys())
+    if clash:
+        raise bad_request(f"'{name}' may not set {', '.join(clash)}: the server sets them", name)
+    return dict(value)
+
+
+def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+           kwargs: Mapping[str, Any]) -> str:
+    """The prompt text; a template that refuses or fails on these messages is the client's 400, not a 500."""
+    try:
+        return tokenizer.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    except ValueError as err:  # TemplateError: raise_exception() in the template, or a jinja error
+        raise bad_request(str(err), "messages") from err
+    except Exception as err:  # a template that trips over unexpected input (None + str, ...)
+        raise bad_request(f"the chat template failed on these messages: {type(err).__name__}: {err}",
+                          "messages") from err

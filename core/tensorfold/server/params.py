@@ -1,0 +1,177 @@
+"""Request bodies to validated records: pure functions, so every refusal is testable without a server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from tensorfold.engine.api import Sampling
+from tensorfold.server.errors import bad_request
+from tensorfold.server.fields import (SEED_MAX, SEED_MIN, json_type, read_bool, read_float, read_int, read_object,
+                                      read_stop, read_str, read_token_ids)
+from tensorfold.server.messages import read_messages, read_template_kwargs, render
+from tensorfold.service import Service
+
+CONTEXT_CODE = "context_length_exceeded"
+# Fields an OpenAI client may send that this server cannot honour: refused unless they hold their no-op value.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: v == 0,
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: v == {},
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+}
+
+
+@attrs.frozen
+class Generate:
+    """A validated chat or completion request: what to submit and how to answer."""
+
+    model: str
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+@attrs.frozen
+class Tokenize:
+    """A validated /tokenize request."""
+
+    tokens: tuple[int, ...]
+
+
+def parse_chat(body: Mapping[str, Any], service: Service) -> Generate:
+    """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest."""
+    check_common(body)
+    messages = read_messages(body)
+    kwargs = read_template_kwargs(body)
+    text = render(service.tokenizer, messages, add_generation_prompt=True, kwargs=kwargs)
+    prompt = service.tokenizer.encode(text)
+    if not prompt:
+        raise bad_request("the messages render to an empty prompt", "messages")
+    return generate(body, service, prompt, "messages")
+
+
+def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:
+    """POST /v1/completions: one prompt, as text or as token ids."""
+    check_common(body)
+    prompt = read_prompt(body, service)
+    return generate(body, service, prompt, "prompt")
+
+
+def parse_tokenize(body: Mapping[str, Any], service: Service) -> Tokenize:
+    """POST /tokenize: a `prompt` string, or `messages` rendered by the template."""
+    if body.get("messages") is not None:
+        messages = read_messages(body)
+        kwargs = read_template_kwargs(body)
+        add = read_bool(body, "add_generation_prompt", default=True)
+        text = render(service.tokenizer, messages, add_generation_prompt=add, kwargs=kwargs)
+    else:
+        text = read_str(body, "prompt")
+        if text is None:
+            raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
+    return Tokenize(tuple(service.tokenizer.encode(text)))
+
+
+def parse_detokenize(body: Mapping[str, Any], service: Service) -> list[int]:
+    """POST /detokenize: `tokens`, a list of ids."""
+    if body.get("tokens") is None:
+        raise bad_request("'tokens' is required", "tokens")
+    return read_token_ids(body["tokens"], "tokens", service.tokenizer.vocab_size)
+
+
+def check_common(body: Mapping[str, Any]) -> None:
+    """Fields either endpoint refuses: n other than 1, and features this server does not have."""
+    read_str(body, "model")
+    n = read_int(body, "n")
+    if n is not None and n != 1:
+        raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}", "n")
+    for name, is_noop in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not is_noop(value):
+            raise bad_request(f"'{name}' is not supported by this server", name)
+
+
+def read_prompt(body: Mapping[str, Any], service: Service) -> list[int]:
+    """`prompt`: a string, a list of ids, or a one-element list of either."""
+    value = body.get("prompt")
+    if value is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) != 1:
+            raise bad_request(f"'prompt' must be one prompt: this server takes no batches, got {len(value)}",
+                              "prompt")
+        value = value[0]
+    if isinstance(value, str):
+        ids = service.tokenizer.encode(value)
+    elif isinstance(value, list):
+        ids = read_token_ids(value, "prompt", service.tokenizer.vocab_size)
+    else:
+        raise bad_request(f"'prompt' must be a string or an array of token ids, not {json_type(value)}", "prompt")
+    if not ids:
+        raise bad_request("'prompt' is empty: give at least one token", "prompt")
+    return ids
+
+
+def generate(body: Mapping[str, Any], service: Service, prompt: list[int], prompt_param: str) -> Generate:
+    """Sampling, stop strings and stream options, with the context rule applied to this prompt."""
+    stream = read_bool(body, "stream")
+    options = read_object(body, "stream_options")
+    if options and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = read_bool(options, "include_usage") if options else False
+    return Generate(model=service.model_name, prompt=tuple(prompt),
+                    sampling=read_sampling(body, service, len(prompt), prompt_param), stop=read_stop(body),
+                    stream=stream, include_usage=include_usage,
+                    return_token_ids=read_bool(body, "return_token_ids"))
+
+
+def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int, prompt_param: str) -> Sampling:
+    """The request's sampling fields over the served defaults; max_tokens checked against the context."""
+    defaults = service.defaults
+    temperature = read_float(body, "temperature", low=0.0)
+    top_p = read_float(body, "top_p", low=0.0, high=1.0, low_open=True)
+    top_k = read_int(body, "top_k", low=-1)
+    min_p = read_float(body, "min_p", low=0.0, high=1.0)
+    seed = read_int(body, "seed", low=SEED_MIN, high=SEED_MAX)
+    asked = read_int(body, "max_completion_tokens", low=1)
+    if asked is None:
+        asked = read_int(body, "max_tokens", low=1)
+    max_tokens = check_context(service.context, prompt_tokens, asked, defaults.max_tokens, prompt_param)
+    ignore_eos = read_bool(body, "ignore_eos")
+    return attrs.evolve(
+        defaults,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else max(top_k, 0),
+        min_p=defaults.min_p if min_p is None else min_p,
+        seed=defaults.seed if seed is None else seed,
+        max_tokens=max_tokens,
+        stop_token_ids=() if ignore_eos else tuple(dict.fromkeys((*service.tokenizer.eos_ids,
+                                                                   *defaults.stop_token_ids))),
+        ignore_eos=ignore_eos,
+    )
+
+
+def check_context(context: int, prompt_tokens: int, asked: int | None, default: int, param: str) -> int:
+    """max_tokens for this prompt: a prompt that fills the context, or prompt + max_tokens past it, is a 400."""
+    wanted = asked if asked is not None else 0
+    if prompt_tokens >= context or (asked is not None and prompt_tokens + asked > context):
+        where = "messages" if param == "messages" else "prompt"
+        raise bad_request(
+            f"This server's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + wanted} tokens ({prompt_tokens} in the {where}, {wanted} in the completion). "
+            f"Please reduce the length of the {where} or the completion.", param, code=CONTEXT_CODE)
+    return asked if asked is not None else max(1, min(default, context - prompt_tokens))

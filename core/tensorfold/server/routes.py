@@ -1,0 +1,103 @@
+"""The endpoints: each parses, submits or answers, and leaves tensors to the engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tensorfold.server.errors import ApiError, engine_failed
+from tensorfold.server.fields import parse_body
+from tensorfold.server.generation import ClientGone, EngineFailed, Finish, Generation
+from tensorfold.server.params import Generate, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from tensorfold.server.payloads import CHAT, TEXT, Shaper
+from tensorfold.server.sse import EventStream
+from tensorfold.service import Service
+
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; nobody reads it, the log does
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+async def answer(request: Request, service: Service, params: Generate, kind: str, prefix: str) -> Response:
+    """Submit and answer: an SSE stream, or one JSON object once the engine is done."""
+    generation = Generation(service, params, prefix)
+    shaper = Shaper(kind, generation.id, params.model, params.return_token_ids)
+    generation.submit()
+    if params.stream:
+        try:
+            await generation.first_event_ok(request.is_disconnected)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            generation.abandon()
+            raise
+        return EventStream(generation, shaper, params.include_usage)
+    texts: list[str] = []
+    finish: Finish | None = None
+    try:
+        async for item in generation.pieces(request.is_disconnected):
+            if isinstance(item, Finish):
+                finish = item
+            else:
+                texts.append(item.text)
+    except EngineFailed as err:
+        raise engine_failed(str(err)) from err
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        generation.abandon()
+    assert finish is not None
+    return JSONResponse(shaper.response("".join(texts), finish.finish_reason, finish.usage,
+                                        list(params.prompt), generation.token_ids))
+
+
+def routes(service: Service) -> list[Route]:
+    """Every route of the API, bound to one served model."""
+    started = int(time.time())
+
+    async def chat_completions(request: Request) -> Response:
+        params = parse_chat(parse_body(await request.body()), service)
+        return await answer(request, service, params, CHAT, "chatcmpl")
+
+    async def completions(request: Request) -> Response:
+        params = parse_completion(parse_body(await request.body()), service)
+        return await answer(request, service, params, TEXT, "cmpl")
+
+    def model_card() -> dict[str, object]:
+        return {"id": service.model_name, "object": "model", "created": started, "owned_by": "tensorfold",
+                "max_model_len": service.context}
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != service.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{service.model_name}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def tokenize(request: Request) -> Response:
+        found = parse_tokenize(parse_body(await request.body()), service)
+        return JSONResponse({"tokens": list(found.tokens), "count": len(found.tokens),
+                             "max_model_len": service.context})
+
+    async def detokenize(request: Request) -> Response:
+        tokens = parse_detokenize(parse_body(await request.body()), service)
+        return JSONResponse({"prompt": service.tokenizer.decode(tokens)})
+
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]

@@ -1,0 +1,63 @@
+"""Server-sent events: a generation as `data: {...}` chunks, then `data: [DONE]`; the engine freed if abandoned."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tensorfold.server.errors import SERVER, envelope
+from tensorfold.server.generation import EngineFailed, Finish, Generation
+from tensorfold.server.payloads import CHAT, Shaper
+
+log = logging.getLogger(__name__)
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    """One SSE event holding a JSON object."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def chunks(generation: Generation, shaper: Shaper, include_usage: bool) -> AsyncIterator[bytes]:
+    """The stream body: a role chunk (chat), text chunks, the finish chunk, the usage chunk if asked, [DONE]."""
+    prompt: list[int] | None = list(generation.params.prompt)
+    if shaper.kind == CHAT:
+        yield event(shaper.chunk("", role=True, prompt=prompt))
+        prompt = None
+    try:
+        async for item in generation.pieces():
+            if isinstance(item, Finish):
+                yield event(shaper.chunk(None, item.finish_reason, prompt=prompt))
+                if include_usage:
+                    yield event(shaper.usage_chunk(item.usage))
+            elif item.text or (shaper.return_token_ids and item.token_ids):
+                yield event(shaper.chunk(item.text, token_ids=item.token_ids, prompt=prompt))
+                prompt = None
+    except EngineFailed as err:
+        log.warning("request %s failed mid-stream: %s", generation.id, err)
+        yield event(envelope(str(err), SERVER))
+    yield DONE
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that cancels its engine request however it ends (client gone, error, shutdown)."""
+
+    def __init__(self, generation: Generation, shaper: Shaper, include_usage: bool) -> None:
+        super().__init__(chunks(generation, shaper, include_usage), media_type="text/event-stream",
+                         headers=HEADERS)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the stream; whatever stops it, tell the engine the request is no longer wanted."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.generation.finished:
+                log.info("request %s abandoned by its client; cancelling", self.generation.id)
+            self.generation.abandon()

@@ -1,0 +1,127 @@
+"""HF checkpoint names -> the example model's weights; every name is checked before a tensor is read.
+
+The checkpoint's names are HF's (`model.layers.0.self_attn.q_proj.weight`, ...). A multimodal wrapper nests the
+language model one level down (`model.language_model.layers.0...`); both spellings are accepted. The core never
+reads these names: this file is the only place that knows them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold_example.model import ExampleConfig, ExampleModel, LayerWeights, Weights
+
+NESTED = "model.language_model."
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # a buffer some older exports saved; recomputed, never read
+
+# LayerWeights field -> the HF name under `model.layers.{i}.`
+LAYER_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+BIAS_NAMES = {
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "o_bias": "self_attn.o_proj.bias",
+}
+
+
+def expected_shapes(c: ExampleConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold (HF names, plain `model.` prefix) and its shape."""
+    E, F, V, D = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q, kv = c.heads * D, c.kv_heads * D
+    layer = {
+        "input_layernorm.weight": (E,),
+        "self_attn.q_proj.weight": (q, E),
+        "self_attn.k_proj.weight": (kv, E),
+        "self_attn.v_proj.weight": (kv, E),
+        "self_attn.o_proj.weight": (E, q),
+        "self_attn.q_norm.weight": (D,),
+        "self_attn.k_norm.weight": (D,),
+        "post_attention_layernorm.weight": (E,),
+        "mlp.gate_proj.weight": (F, E),
+        "mlp.up_proj.weight": (F, E),
+        "mlp.down_proj.weight": (E, F),
+    }
+    if c.attention_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                      "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (E,)})
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,)}
+    for i in range(c.layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, E)
+    return shapes
+
+
+def canonical(name: str) -> str:
+    """A checkpoint name in the plain spelling: `model.language_model.x` -> `model.x`."""
+    return "model." + name[len(NESTED):] if name.startswith(NESTED) else name
+
+
+def check_names(names: list[str], config: ExampleConfig) -> None:
+    """Raise ValueError naming every missing, unexpected or doubled tensor; an lm_head is ignored when tied."""
+    shapes = expected_shapes(config)
+    seen: dict[str, str] = {}
+    unexpected, doubled = [], []
+    for name in names:
+        key = canonical(name)
+        if key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        if key not in shapes:
+            unexpected.append(name)
+        elif key in seen:
+            doubled.append(f"{seen[key]} and {name}")
+        else:
+            seen[key] = name
+    missing = [name for name in shapes if name not in seen]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (not part of a dense qwen3 with this config): {', '.join(unexpected)}")
+    if doubled:
+        problems.append(f"tensors given twice: {'; '.join(doubled)}")
+    if problems:
+        raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
+
+
+def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> ExampleModel:
+    """Read every weight once, shard by shard, into `dtype` on `device`, and build the model."""
+    config = ExampleConfig.from_dict(checkpoint.config)
+    check_names(checkpoint.names(), config)
+    shapes = expected_shapes(config)
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in checkpoint.tensors(progress=progress):
+        key = canonical(name)
+        if key not in shapes or key in found:
+            continue  # ignored (tied lm_head, an old buffer); check_names has refused everything else
+        if tuple(tensor.shape) != shapes[key]:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[key]}")
+        found[key] = tensor.to(device=device, dtype=dtype).contiguous()
+    return ExampleModel(config, build_weights(config, found))
+
+
+def build_weights(config: ExampleConfig, found: dict[str, torch.Tensor]) -> Weights:
+    """Arrange tensors named as in `expected_shapes` into the model's records."""
+    layers = []
+    for i in range(config.layers):
+        prefix = f"model.layers.{i}."
+        fields = {field: found[prefix + name] for field, name in LAYER_NAMES.items()}
+        if config.attention_bias:
+            fields.update({field: found[prefix + name] for field, name in BIAS_NAMES.items()})
+        layers.append(LayerWeights(**fields))
+    embed = found["model.embed_tokens.weight"]
+    lm_head = embed if config.tie_word_embeddings else found["lm_head.weight"]
+    return Weights(embed=embed, layers=tuple(layers), norm=found["model.norm.weight"], lm_head=lm_head)

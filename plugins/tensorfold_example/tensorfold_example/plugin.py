@@ -1,0 +1,160 @@
+"""The example family's hook implementations: everything the core asks of a family, answered once at startup.
+
+Registered by the entry point `example = "tensorfold_example.plugin"` in group `tensorfold` (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold.hookspecs import hookimpl
+from tensorfold.image import ImageFormat
+from tensorfold.layout import LayerLayout, Layout, RowState, dtype_name
+from tensorfold.settings import Settings
+from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
+from tensorfold_example import load as loader
+from tensorfold_example.model import ExampleConfig, ExampleModel, rope_parameters
+
+IMAGE_FORMAT = "example-gqa"
+IMAGE_VERSION = 1          # bump when the meaning of the kept rows changes (e.g. keys stored before RoPE)
+
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "dtype": "float32",
+}
+
+
+# ---------------------------------------------------------------- what the family serves
+
+@hookimpl
+def family_model_types() -> Sequence[str]:
+    return ["qwen3"]
+
+
+@hookimpl
+def family_request_starts_switch() -> str:
+    return "TF_EXAMPLE_REQUEST_STARTS"
+
+
+# ---------------------------------------------------------------- checkpoints and the model
+
+@hookimpl
+def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> ExampleModel:
+    return loader.load(checkpoint, dtype, device)
+
+
+@hookimpl
+def family_make_tiny(directory: Path, seed: int) -> None:
+    directory = Path(directory)
+    specials = write_tiny_tokenizer(directory, TINY_CONFIG["vocab_size"])
+    config = {**TINY_CONFIG, "bos_token_id": specials["<|endoftext|>"], "eos_token_id": specials["<|im_end|>"],
+              "pad_token_id": specials["<|endoftext|>"]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": specials["<|im_end|>"]}, indent=2))
+    shapes = loader.expected_shapes(ExampleConfig.from_dict(config))
+    save_file(draw_weights(shapes, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def draw_weights(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic float32 weights: matrices N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1).
+
+    Unit-variance activations keep the tiny model's logits far from flat, so greedy decoding is not a coin toss.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name in sorted(shapes):
+        noise = torch.randn(shapes[name], generator=generator, dtype=torch.float32)
+        if len(shapes[name]) == 2:
+            weights[name] = noise * shapes[name][1] ** -0.5
+        elif name.endswith(".bias"):
+            weights[name] = noise * 0.1
+        else:
+            weights[name] = 1.0 + noise * 0.1
+    return weights
+
+
+# ---------------------------------------------------------------- memory and kept states
+
+@hookimpl
+def family_kv_layout(config: Mapping[str, Any], dtype: torch.dtype) -> Layout:
+    c = ExampleConfig.from_dict(config)
+    name = dtype_name(dtype)
+    rows = [RowState("k", (c.kv_heads, c.head_dim), name),     # keys after k_norm and RoPE
+            RowState("v", (c.kv_heads, c.head_dim), name)]
+    return Layout([LayerLayout(kind="attention", rows=rows) for _ in range(c.layers)])
+
+
+@hookimpl
+def family_state_image(config: Mapping[str, Any], layout: Layout) -> ImageFormat:
+    return ImageFormat.of_layout(IMAGE_FORMAT, IMAGE_VERSION, layout)
+
+
+@hookimpl
+def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[str, str]:
+    c = ExampleConfig.from_dict(config)
+    return {
+        "format": f"{IMAGE_FORMAT}/{IMAGE_VERSION}",
+        "dtype": dtype_name(dtype),
+        "layers": str(c.layers),
+        "heads": str(c.heads),
+        "kv_heads": str(c.kv_heads),
+        "head_dim": str(c.head_dim),
+        "rope": f"default theta={c.rope_theta!r}",
+        "keys": "post k_norm, post RoPE",
+    }
+
+
+# ---------------------------------------------------------------- refusals
+
+@hookimpl
+def family_refusals(config: Mapping[str, Any], settings: Settings) -> Sequence[str]:
+    try:
+        c = ExampleConfig.from_dict(config)
+    except (ValueError, TypeError) as err:
+        return [f"the example family cannot read config.json: {err}"]
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    found = []
+    if text.get("use_sliding_window"):
+        found.append("config.json sets use_sliding_window: true; the example family attends over the whole context "
+                     "and has no sliding-window attention")
+    layer_types = text.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        found.append(f"config.json layer_types holds {sorted(set(layer_types) - {'full_attention'})}; the example "
+                     "family serves full_attention layers only")
+    rope = rope_parameters(config)
+    if rope["rope_type"] != "default":
+        found.append(f"config.json rope_parameters.rope_type is {rope['rope_type']!r}; the example family "
+                     "implements default RoPE only")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        found.append("config.json rope_parameters.partial_rotary_factor is not 1; the example family rotates "
+                     "the whole head")
+    if text.get("hidden_act", "silu") != "silu":
+        found.append(f"config.json hidden_act is {text['hidden_act']!r}; the example family's MLP is SwiGLU (silu)")
+    if settings.context > c.max_positions:
+        found.append(f"--context {settings.context} exceeds the checkpoint's max_position_embeddings "
+                     f"{c.max_positions} (config.json); lower --context to at most {c.max_positions}")
+    return found
