@@ -19,7 +19,6 @@ class Sampling:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
 
 @attrs.frozen

@@ -95,7 +95,7 @@ class Engine:
 
     def _finish_reason(self, request: Request, token: int, produced: int, rows: int) -> str | None:
         sampling = request.sampling
-        if token in sampling.stop_token_ids and not sampling.ignore_eos:
+        if token in sampling.stop_token_ids:
             return "stop"
         if produced >= sampling.max_tokens or rows >= self.context:
             return "length"

@@ -15,6 +15,7 @@ from tensorfold.server.messages import read_messages, read_template_kwargs, rend
 from tensorfold.service import Service
 
 CONTEXT_CODE = "context_length_exceeded"
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures under it sample greedily
 # Fields an OpenAI client may send that this server cannot honour: refused unless they hold their no-op value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logprobs": lambda v: v is False,
@@ -146,14 +147,14 @@ def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int,
     top_k = read_int(body, "top_k", low=-1)
     min_p = read_float(body, "min_p", low=0.0, high=1.0)
     seed = read_int(body, "seed", low=SEED_MIN, high=SEED_MAX)
+    legacy = read_int(body, "max_tokens", low=1)
     asked = read_int(body, "max_completion_tokens", low=1)
-    if asked is None:
-        asked = read_int(body, "max_tokens", low=1)
+    asked = legacy if asked is None else asked
     max_tokens = check_context(service.context, prompt_tokens, asked, defaults.max_tokens, prompt_param)
     ignore_eos = read_bool(body, "ignore_eos")
     return attrs.evolve(
         defaults,
-        temperature=defaults.temperature if temperature is None else temperature,
+        temperature=defaults.temperature if temperature is None else greedy_below(temperature),
         top_p=defaults.top_p if top_p is None else top_p,
         top_k=defaults.top_k if top_k is None else max(top_k, 0),
         min_p=defaults.min_p if min_p is None else min_p,
@@ -161,8 +162,12 @@ def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int,
         max_tokens=max_tokens,
         stop_token_ids=() if ignore_eos else tuple(dict.fromkeys((*service.tokenizer.eos_ids,
                                                                    *defaults.stop_token_ids))),
-        ignore_eos=ignore_eos,
     )
+
+
+def greedy_below(temperature: float) -> float:
+    """A temperature too small to divide by safely means greedy, as vLLM reads it."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
 def check_context(context: int, prompt_tokens: int, asked: int | None, default: int, param: str) -> int:

@@ -1,10 +1,14 @@
-"""The endpoints: each parses, submits or answers, and leaves tensors to the engine."""
+"""The endpoints: each parses, submits or answers, and leaves tensors to the engine.
+
+Rendering and tokenizing run in the thread pool, so a long prompt does not stall other streams.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -59,11 +63,11 @@ def routes(service: Service) -> list[Route]:
     started = int(time.time())
 
     async def chat_completions(request: Request) -> Response:
-        params = parse_chat(parse_body(await request.body()), service)
+        params = await run_in_threadpool(parse_chat, parse_body(await request.body()), service)
         return await answer(request, service, params, CHAT, "chatcmpl")
 
     async def completions(request: Request) -> Response:
-        params = parse_completion(parse_body(await request.body()), service)
+        params = await run_in_threadpool(parse_completion, parse_body(await request.body()), service)
         return await answer(request, service, params, TEXT, "cmpl")
 
     def model_card() -> dict[str, object]:
@@ -84,13 +88,13 @@ def routes(service: Service) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     async def tokenize(request: Request) -> Response:
-        found = parse_tokenize(parse_body(await request.body()), service)
+        found = await run_in_threadpool(parse_tokenize, parse_body(await request.body()), service)
         return JSONResponse({"tokens": list(found.tokens), "count": len(found.tokens),
                              "max_model_len": service.context})
 
     async def detokenize(request: Request) -> Response:
         tokens = parse_detokenize(parse_body(await request.body()), service)
-        return JSONResponse({"prompt": service.tokenizer.decode(tokens)})
+        return JSONResponse({"prompt": await run_in_threadpool(service.tokenizer.decode, tokens)})
 
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -1,0 +1,114 @@
+"""Fixtures: the tiny tokenizer for unit tests, and one real `tensorfold serve` process for the e2e tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+
+from server_fakes import make_tokenizer
+from tensorfold.tokenizer import ChatTokenizer
+
+START_TIMEOUT_S = 120.0
+LOG_TAIL = 8000
+_logs: list[Path] = []
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    """The tiny tokenizer (512 ids, ChatML template, <|im_end|> as the end token)."""
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@attrs.frozen
+class Server:
+    """A running `tensorfold serve`: where to reach it and where it logs."""
+
+    base_url: str
+    model_dir: Path
+    log: Path
+    process: subprocess.Popen
+
+    @property
+    def api(self) -> str:
+        """The OpenAI base URL."""
+        return self.base_url + "/v1"
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tensorfold(*args: str, log: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI to completion, output appended to `log`."""
+    with log.open("a") as out:
+        return subprocess.run([sys.executable, "-m", "tensorfold", *args], stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout, check=False)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
+    """Poll /health until 200; fail with the server's log if it exits or takes too long."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"tensorfold serve exited with {process.returncode}:\n{tail(log)}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"tensorfold serve was not healthy within {START_TIMEOUT_S:.0f} s:\n{tail(log)}")
+
+
+def tail(log: Path) -> str:
+    """The end of a log file."""
+    text = log.read_text(errors="replace") if log.exists() else "(no log)"
+    return text[-LOG_TAIL:]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One real server on a tiny `example` checkpoint, shared by every e2e test."""
+    root = tmp_path_factory.mktemp("e2e")
+    model_dir, log = root / "tiny-example", root / "server.log"
+    _logs.append(log)
+    made = tensorfold("make-tiny", "--family", "example", str(model_dir), log=log, timeout=120)
+    if made.returncode != 0:
+        pytest.fail(f"tensorfold make-tiny failed with {made.returncode}:\n{tail(log)}")
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("a") as out:
+        process = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "example",
+                                    "--model", str(model_dir), "--port", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process, log)
+        yield Server(base_url, model_dir, log, process)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:
+    """When something failed, show the end of the server's log."""
+    if exitstatus != 0:
+        for log in _logs:
+            terminalreporter.write_sep("-", f"tensorfold serve log ({log})")
+            terminalreporter.write_line(tail(log))

@@ -1,0 +1,179 @@
+"""A real `tensorfold serve` on a tiny `example` checkpoint, driven by the real openai client."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+HI = [{"role": "user", "content": "Hello! How are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def context(client) -> int:
+    return client.models.list().data[0].model_extra["max_model_len"]
+
+
+def detokenize(server, ids: list[int]) -> str:
+    return httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def tokenize(server, **body) -> dict:
+    return httpx.post(server.base_url + "/tokenize", json=body).json()
+
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert len(models) == 1
+    card = models[0]
+    assert card.id == server.model_dir.name and card.owned_by == "tensorfold"
+    assert card.model_extra["max_model_len"] >= 64
+    assert client.models.retrieve(card.id).id == card.id
+
+
+def test_health(server):
+    response = httpx.get(server.base_url + "/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_tokenize_and_detokenize(server, context):
+    found = tokenize(server, prompt="Hello! How are you today?")
+    assert found["count"] == len(found["tokens"]) > 0 and found["max_model_len"] == context
+    assert detokenize(server, found["tokens"]) == "Hello! How are you today?"
+    chat = tokenize(server, messages=HI)
+    bare = tokenize(server, messages=HI, add_generation_prompt=False)
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and chat["count"] > bare["count"]
+
+
+def test_chat(client, model, server):
+    reply = client.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0)
+    assert reply.object == "chat.completion" and reply.model == model
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage.prompt_tokens == tokenize(server, messages=HI)["count"]
+    assert 1 <= usage.completion_tokens <= 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+    again = client.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == choice.message.content  # greedy is deterministic
+
+
+def test_chat_stream_with_usage(client, model):
+    whole = client.chat.completions.create(model=model, messages=HI, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=model, messages=HI, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stream_ends_with_done(server, model):
+    body = {"model": model, "messages": HI, "max_tokens": 4, "stream": True}
+    response = httpx.post(server.api + "/chat/completions", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.endswith("data: [DONE]\n\n") and response.text.count("[DONE]") == 1
+
+
+def test_completion_token_ids(client, model, server):
+    prompt = tokenize(server, prompt="The quick brown fox")["tokens"]
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and choice.finish_reason == "length"
+    assert reply.model_extra["prompt_token_ids"] == prompt
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 8 and reply.usage.completion_tokens == 8 and reply.usage.prompt_tokens == len(prompt)
+    assert choice.text == detokenize(server, ids)
+    nested = client.completions.create(model=model, prompt=[prompt], max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert nested.choices[0].text == choice.text
+
+
+def test_completion_stream(client, model):
+    whole = client.completions.create(model=model, prompt="Paris is", max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=model, prompt="Paris is", max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seed_reproduces(client, model):
+    def draw() -> str:
+        return client.completions.create(model=model, prompt="one two", max_tokens=10, temperature=1.0,
+                                         seed=1234, extra_body={"ignore_eos": True}).choices[0].text
+    assert draw() == draw()
+
+
+def test_stop_string(client, model):
+    full = client.completions.create(model=model, prompt="Monday Tuesday", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    middle = len(full) // 2
+    stop = next((full[i:i + 2] for i in range(middle, len(full) - 1) if "\ufffd" not in full[i:i + 2]), None)
+    assert stop, f"no usable stop string in {full!r}"
+    expected = full[:full.find(stop)]
+    for stream in (False, True):
+        kwargs = dict(model=model, prompt="Monday Tuesday", max_tokens=16, temperature=0, stop=[stop],
+                      extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.completions.create(**kwargs).choices[0]
+            text, reason = choice.text, choice.finish_reason
+        assert (text, reason) == (expected, "stop"), (stream, stop, full)
+
+
+def test_concurrent_requests(client, model):
+    def ask(i: int) -> str:
+        reply = client.chat.completions.create(model=model, max_tokens=6,
+                                               messages=[{"role": "user", "content": f"count {i}"}])
+        return reply.choices[0].finish_reason
+    with ThreadPoolExecutor(8) as pool:
+        reasons = list(pool.map(ask, range(8)))
+    assert len(reasons) == 8 and set(reasons) <= {"stop", "length"}
+
+
+def test_disconnect_mid_stream_frees_the_engine(server, model, context):
+    long = {"model": model, "prompt": "Hello", "max_tokens": context - 8, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.api + "/completions", json=long) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+    began = time.monotonic()
+    after = httpx.post(server.api + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4},
+                       timeout=30)
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert time.monotonic() - began < 5.0, "the abandoned stream kept the engine busy"
+
+
+def test_disconnect_while_waiting_frees_the_engine(server, model, context):
+    long = {"model": model, "prompt": "Hello", "max_tokens": context - 8, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.api + "/completions", json=long, timeout=0.5)
+    began = time.monotonic()
+    after = httpx.post(server.api + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4},
+                       timeout=30)
+    assert after.status_code == 200
+    assert time.monotonic() - began < 5.0, "the abandoned request kept the engine busy"

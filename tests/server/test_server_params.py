@@ -1,0 +1,203 @@
+"""Request validation: every refusal is a 400 naming its field; defaults and the context rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from server_fakes import make_service
+from tensorfold.engine.api import Sampling
+from tensorfold.server.errors import ApiError
+from tensorfold.server.fields import parse_body
+from tensorfold.server.params import parse_chat, parse_completion, parse_detokenize, parse_tokenize
+
+HI = [{"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture
+def service(tokenizer):
+    return make_service(tokenizer, context=64,
+                        defaults=Sampling(temperature=0.7, top_p=0.9, top_k=20, max_tokens=16,
+                                          stop_token_ids=tokenizer.eos_ids))
+
+
+def refused(call, *args) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        call(*args)
+    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
+    return caught.value
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b"\xff\xfe", b""])
+def test_malformed_json(raw):
+    assert "not valid JSON" in refused(parse_body, raw).message
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"3", b'"x"', b"null"])
+def test_body_must_be_object(raw):
+    assert "JSON object" in refused(parse_body, raw).message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", "hot"), ("temperature", True), ("temperature", float("inf")),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", -1), ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
+    ("min_p", -0.1), ("min_p", 1.1), ("seed", "x"), ("seed", 2**64), ("seed", 1.5),
+    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", "10"), ("max_completion_tokens", 0),
+    ("stream", "yes"), ("stream", 1), ("ignore_eos", "no"), ("return_token_ids", 0),
+    ("stop", 5), ("stop", ["a", 3]), ("stop", {"x": 1}), ("model", 7), ("n", 2), ("n", 0), ("n", "1"),
+    ("chat_template_kwargs", "x"), ("chat_template_kwargs", {"messages": []}),
+    ("logprobs", True), ("top_logprobs", 3), ("tools", [{"type": "function"}]), ("presence_penalty", 0.5),
+    ("frequency_penalty", 1), ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
+])
+def test_bad_field_names_param(service, field, value):
+    error = refused(parse_chat, {"messages": HI, field: value}, service)
+    assert error.param == field, error.message
+    assert field in error.message
+
+
+def test_n_above_one_says_so(service):
+    assert "'n' must be 1" in refused(parse_chat, {"messages": HI, "n": 3}, service).message
+
+
+def test_stream_options_need_stream(service):
+    error = refused(parse_chat, {"messages": HI, "stream_options": {"include_usage": True}}, service)
+    assert error.param == "stream_options"
+
+
+@pytest.mark.parametrize("messages, param", [
+    (None, "messages"), ([], "messages"), ("hi", "messages"), ([3], "messages[0]"),
+    ([{"content": "x"}], "messages[0].role"), ([{"role": 5, "content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"), ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "video", "x": 1}]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]"),
+])
+def test_bad_messages(service, messages, param):
+    assert refused(parse_chat, {"messages": messages}, service).param == param
+
+
+def test_images_refused_by_name(service):
+    content = [{"type": "text", "text": "what is this?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    error = refused(parse_chat, {"messages": [{"role": "user", "content": content}]}, service)
+    assert error.message == "images are not supported by this server"
+    assert error.param == "messages[0].content[1]"
+
+
+def test_text_parts_joined(service, tokenizer):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    got = parse_chat({"messages": [{"role": "user", "content": parts}]}, service)
+    want = tokenizer.encode(tokenizer.render([{"role": "user", "content": "Hello\nthere"}]))
+    assert list(got.prompt) == want
+
+
+def test_template_failure_is_400(service):
+    messages = [{"role": "assistant", "content": None}]  # ChatML concatenates None: the template fails
+    error = refused(parse_chat, {"messages": messages}, service)
+    assert error.param == "messages" and "template" in error.message
+
+
+def test_defaults_fill_unset_fields(service, tokenizer):
+    got = parse_chat({"messages": HI}, service)
+    s = got.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop_token_ids) == (0.7, 0.9, 20, 16, (2,))
+    assert not got.stream and not got.include_usage and not got.return_token_ids and got.stop == ()
+    assert list(got.prompt) == tokenizer.encode(tokenizer.render(HI, add_generation_prompt=True))
+
+
+def test_request_fields_override(service):
+    body = {"messages": HI, "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0.1, "seed": 7,
+            "max_tokens": 5, "max_completion_tokens": 4, "stop": "x", "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True,
+            "n": 1, "logprobs": False, "presence_penalty": 0, "model": "whatever"}
+    got = parse_chat(body, service)
+    s = got.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.max_tokens) == (0.0, 1.0, 0, 0.1, 7, 4)
+    assert s.stop_token_ids == ()
+    assert got.stop == ("x",) and got.stream and got.include_usage and got.return_token_ids
+    assert got.model == "tiny"
+
+
+def test_stop_list_drops_empty_and_duplicates(service):
+    assert parse_chat({"messages": HI, "stop": ["a", "", "a", "b"]}, service).stop == ("a", "b")
+
+
+def test_default_max_tokens_shrinks_to_context(tokenizer):
+    service = make_service(tokenizer, context=20, defaults=Sampling(max_tokens=4096))
+    got = parse_completion({"prompt": list(range(3, 15))}, service)
+    assert got.sampling.max_tokens == 20 - 12
+
+
+def test_prompt_filling_context_refused(service):
+    error = refused(parse_completion, {"prompt": [5] * 64}, service)
+    assert error.code == "context_length_exceeded" and error.param == "prompt"
+    assert error.message.startswith("This server's maximum context length is 64 tokens. However, you requested "
+                                    "64 tokens (64 in the prompt, 0 in the completion)")
+
+
+def test_prompt_plus_max_tokens_over_context_refused(service):
+    error = refused(parse_chat, {"messages": HI, "max_tokens": 60}, service)
+    assert error.code == "context_length_exceeded" and error.param == "messages"
+    assert "in the messages, 60 in the completion" in error.message
+    parse_completion({"prompt": [5] * 54, "max_tokens": 10}, service)  # exactly the context: fine
+
+
+@pytest.mark.parametrize("prompt", [None, 5, "", [], [[1, 2], [3]], ["a", "b"], [1, "a"], [True], [512], [-1],
+                                    {"a": 1}])
+def test_bad_prompts(service, prompt):
+    assert refused(parse_completion, {"prompt": prompt}, service).param == "prompt"
+
+
+@pytest.mark.parametrize("prompt", ["Hello", [[42, 348]], ["Hello"], [42, 348, 81]])
+def test_good_prompts(service, tokenizer, prompt):
+    got = parse_completion({"prompt": prompt}, service)
+    assert list(got.prompt)[:2] == [42, 348]
+
+
+def test_tokenize_prompt_and_messages(service, tokenizer):
+    assert list(parse_tokenize({"prompt": "Hello"}, service).tokens) == tokenizer.encode("Hello")
+    no_gen = parse_tokenize({"messages": HI, "add_generation_prompt": False}, service).tokens
+    with_gen = parse_tokenize({"messages": HI}, service).tokens
+    assert list(no_gen) == tokenizer.encode(tokenizer.render(HI, add_generation_prompt=False))
+    assert len(with_gen) > len(no_gen)
+    assert refused(parse_tokenize, {}, service).param == "prompt"
+    assert refused(parse_tokenize, {"prompt": 3}, service).param == "prompt"
+
+
+def test_detokenize_checks_ids(service):
+    assert parse_detokenize({"tokens": [42, 348]}, service) == [42, 348]
+    for tokens in (None, "x", [1.5], [600], [-3]):
+        assert refused(parse_detokenize, {"tokens": tokens}, service).param == "tokens"
+
+
+def test_both_max_token_fields_are_checked(service):
+    error = refused(parse_chat, {"messages": HI, "max_tokens": 0, "max_completion_tokens": 4}, service)
+    assert error.param == "max_tokens"
+
+
+def test_tiny_temperature_is_greedy(service):
+    assert parse_chat({"messages": HI, "temperature": 1e-9}, service).sampling.temperature == 0.0
+    assert parse_chat({"messages": HI, "temperature": 0.5}, service).sampling.temperature == 0.5
+
+
+def test_audio_refused_by_name(service):
+    content = [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]
+    error = refused(parse_chat, {"messages": [{"role": "user", "content": content}]}, service)
+    assert error.message == "audio is not supported by this server"
+
+
+def test_template_kwargs_reach_the_template(tokenizer):
+    class Recording:
+        def __init__(self):
+            self.kwargs = None
+            self.eos_ids, self.vocab_size = tokenizer.eos_ids, tokenizer.vocab_size
+
+        def render(self, messages, add_generation_prompt=True, **kwargs):
+            self.kwargs = kwargs
+            return tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
+
+        def encode(self, text):
+            return tokenizer.encode(text)
+
+    recording = Recording()
+    service = make_service(recording)  # type: ignore[arg-type]
+    parse_chat({"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}, service)
+    assert recording.kwargs == {"enable_thinking": False}
