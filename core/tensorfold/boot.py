@@ -105,10 +105,10 @@ class Loaded:
     engine: Engine
 
 
-def checkpoint_of(settings: Settings, family: Family) -> Checkpoint:
+def checkpoint_of(settings: Settings, family: Family, require_weights: bool = True) -> Checkpoint:
     """The checkpoint `--model` names, or the family's embedded default."""
     directory = settings.model if settings.model is not None else embedded_checkpoint(family, settings.cache_dir)
-    return Checkpoint(Path(directory))
+    return Checkpoint(Path(directory), require_weights=require_weights)
 
 
 def boot(settings: Settings, family: Family) -> Loaded:

@@ -34,14 +34,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 class Checkpoint:
     """Reads a checkpoint directory; tensors are read from their shard only when asked for."""
 
-    def __init__(self, directory: Path | str) -> None:
+    def __init__(self, directory: Path | str, require_weights: bool = True) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
         self.config = _read_json(self.directory / "config.json")
         generation = self.directory / "generation_config.json"
         self.generation = _read_json(generation) if generation.exists() else {}
-        self._shard_of = self._index()
+        self._shard_of = self._index() if require_weights or self._has_weights() else {}
+
+    def _has_weights(self) -> bool:
+        return (self.directory / INDEX).exists() or (self.directory / SINGLE).exists()
 
     @property
     def model_type(self) -> str:

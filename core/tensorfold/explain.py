@@ -41,7 +41,7 @@ def _itemsize(stored: str) -> int:
 
 def serving_plan(settings: Settings, family: Family) -> dict[str, Any]:
     """What `serve` would hold: weights, bytes per token by layer kind, fixed bytes per stream, refusals."""
-    checkpoint = checkpoint_of(settings, family)
+    checkpoint = checkpoint_of(settings, family, require_weights=False)
     refusals = all_refusals(settings, family, checkpoint)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device) if settings.dtype in ("auto", "float32", "bfloat16",
@@ -50,18 +50,24 @@ def serving_plan(settings: Settings, family: Family) -> dict[str, Any]:
     return {
         "family": family.name, "checkpoint": str(checkpoint.directory), "model_type": checkpoint.model_type,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "context": settings.context,
-        "weights_bytes": weight_bytes(checkpoint, dtype),
+        "weights_bytes": weight_bytes(checkpoint, dtype) if checkpoint.shards() else None,
         "bytes_per_token": layout.bytes_per_token, "fixed_bytes_per_stream": layout.fixed_bytes,
         "by_kind": layout.by_kind(), "stream_bytes_at_context": layout.stream_bytes(settings.context),
         "refusals": [f"[{r.source}] {r.message}" for r in refusals],
     }
 
 
+def _weights_line(size: int | None) -> str:
+    if size is None:
+        return "weights            (no weight files: the plan is made from config.json alone)"
+    return f"weights            {size / MIB:10.2f} MiB"
+
+
 def plan_text(plan: dict[str, Any]) -> str:
     """The plan for a person to read."""
     lines = [f"family {plan['family']} · {plan['model_type']} · {plan['checkpoint']}",
              f"device {plan['device']} · dtype {plan['dtype']} · context {plan['context']} tokens",
-             f"weights            {plan['weights_bytes'] / MIB:10.2f} MiB",
+             _weights_line(plan["weights_bytes"]),
              f"per token          {plan['bytes_per_token']:10.0f} B",
              f"fixed per stream   {plan['fixed_bytes_per_stream'] / MIB:10.2f} MiB",
              f"one stream at full context {plan['stream_bytes_at_context'] / MIB:10.2f} MiB"]

@@ -97,3 +97,15 @@ def test_serve_without_a_model_serves_the_embedded_default(tmp_path):
     text = log.read()
     assert "wrote the embedded default of family example" in text, text
     assert (tmp_path / "tensorfold" / "embedded").is_dir()
+
+
+def test_explain_works_from_config_json_alone(tmp_path):
+    RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "m" / "config.json").read_text())
+    result = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "cfg"), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["weights_bytes"] is None and plan["bytes_per_token"] > 0
+    text = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "cfg")]).output
+    assert "no weight files" in text
