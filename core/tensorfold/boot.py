@@ -15,7 +15,12 @@ from tensorfold.embedded import embedded_checkpoint
 from tensorfold.engine.api import Sampling
 from tensorfold.engine.runner import Engine
 from tensorfold.family import Declarations, Family
-from tensorfold.kv import KvStore
+from tensorfold.engine.memory import StreamMemory
+from tensorfold.kv import PagedStore, WindowStore
+from tensorfold.layout import Layout
+from tensorfold.memory_plan import GIB, MemoryPlan, default_budget, plan_memory
+from tensorfold.pool.pages import PagePool
+from tensorfold.pool.slots import SlotPool
 from tensorfold.plugins import installed_names, load_families
 from tensorfold.refusals import Refusal, raise_if_any
 from tensorfold.service import Service
@@ -59,6 +64,12 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--prefill-chunk {settings.prefill_chunk} must be at least 1")
     if settings.max_waiting < 1:
         found.append(f"--max-waiting {settings.max_waiting} must be at least 1")
+    if settings.page_rows < 1:
+        found.append(f"--page-rows {settings.page_rows} must be at least 1")
+    if settings.parallel is not None and settings.parallel < 1:
+        found.append(f"--parallel {settings.parallel} must be at least 1 (or auto)")
+    if settings.kv_gib is not None and settings.kv_gib <= 0:
+        found.append(f"--kv-gib {settings.kv_gib} must be above 0")
     if settings.dtype not in ("auto", *DTYPES):
         found.append(f"--dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     try:
@@ -105,6 +116,28 @@ class Loaded:
     engine: Engine
 
 
+def memory_plan(settings: Settings, layout: Layout, checkpoint: Checkpoint, device: torch.device,
+                dtype: torch.dtype) -> tuple[MemoryPlan | None, list[str]]:
+    """The stream memory plan for these settings: --kv-gib, or what the device leaves after weights."""
+    if settings.kv_gib is not None:
+        budget = int(settings.kv_gib * GIB)
+    else:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        budget = default_budget(device.type, checkpoint.weight_bytes(dtype) if checkpoint.shards() else 0, free)
+    page_rows = settings.page_rows if settings.switch("TF_KV_PAGES") else settings.context
+    return plan_memory(layout, settings.context, page_rows, budget, settings.parallel)
+
+
+def build_memory(plan: MemoryPlan, layout: Layout, settings: Settings, device: torch.device) -> StreamMemory:
+    """The store, slots and pool the plan describes (pages, or one window per stream with TF_KV_PAGES=0)."""
+    poison = settings.switch("TF_KV_POISON")
+    slots = SlotPool(plan.parallel)
+    if not settings.switch("TF_KV_PAGES"):
+        return StreamMemory(WindowStore(layout, plan.parallel, settings.context, device, poison), slots, None)
+    store = PagedStore(layout, plan.parallel, plan.pages, plan.page_rows, device, poison)
+    return StreamMemory(store, slots, PagePool(plan.pages, plan.page_rows))
+
+
 def checkpoint_of(settings: Settings, family: Family, require_weights: bool = True) -> Checkpoint:
     """The checkpoint `--model` names, or the family's embedded default."""
     directory = settings.model if settings.model is not None else embedded_checkpoint(family, settings.cache_dir)
@@ -118,14 +151,20 @@ def boot(settings: Settings, family: Family) -> Loaded:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     declarations = family.declare(checkpoint.config, dtype)
+    plan, refusals = memory_plan(settings, declarations.layout, checkpoint, device, dtype)
+    raise_if_any([Refusal("core", m) for m in refusals])
     model = family.load(checkpoint, dtype, device)
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
-    kv = KvStore(declarations.layout, slots=1, capacity=settings.context, device=device)
-    engine = Engine(model, kv, settings.prefill_chunk, settings.context, settings.max_waiting)
+    memory = build_memory(plan, declarations.layout, settings, device)
+    engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting)
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
-                      context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer))
-    log.info("family %s, %s on %s, %s; KV %.1f MiB for a %d-token window", family.name, checkpoint.directory,
-             device, str(dtype).removeprefix("torch."), kv.nbytes / 2**20, settings.context)
+                      context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
+                      plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
+                            "poison": settings.switch("TF_KV_POISON")})
+    log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,
+             checkpoint.directory, device, str(dtype).removeprefix("torch."), plan.parallel, settings.context,
+             memory.kv.nbytes / 2**20, f"{plan.pages} pages of {plan.page_rows} rows"
+             if settings.switch("TF_KV_PAGES") else "one window per stream")
     return Loaded(settings=settings, family=family, checkpoint=checkpoint, declarations=declarations,
                   device=device, dtype=dtype, service=service, engine=engine)

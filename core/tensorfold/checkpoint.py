@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ from safetensors import safe_open
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
+FLOATS = ("F32", "F16", "BF16")
+STORED_SIZES = {"F64": 8, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 SINGLE = "model.safetensors"
 
 
@@ -85,6 +88,18 @@ class Checkpoint:
                     yield name, handle.get_tensor(name)
         if progress and total:
             sys.stderr.write("\n")
+
+    def weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the weights once floating-point tensors are cast to `dtype` (others as stored)."""
+        total = 0
+        for shard in self.shards():
+            with safe_open(shard, framework="pt") as handle:
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    count = math.prod(piece.get_shape())
+                    stored = piece.get_dtype()
+                    total += count * (dtype.itemsize if stored in FLOATS else STORED_SIZES.get(stored, 1))
+        return total
 
     def _index(self) -> dict[str, str]:
         index = self.directory / INDEX

@@ -13,7 +13,7 @@ import typer
 
 from tensorfold.family import PluginError
 from tensorfold.refusals import Refused
-from tensorfold.settings import DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK, SwitchError, read_settings
+from tensorfold.settings import DEFAULT_CONTEXT, DEFAULT_PAGE_ROWS, DEFAULT_PREFILL_CHUNK, SwitchError, read_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve hybrid LLMs that resume conversations.")
 
@@ -25,6 +25,20 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bf
                                        "bfloat16 or float16.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 ChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="Prefill grid: chunk k covers [k*N, (k+1)*N).")]
+ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at once: N, or auto (as many as fit, "
+                                          "up to 8).")]
+PageRowsOpt = Annotated[int, typer.Option("--page-rows", help="Rows (tokens) per KV page.")]
+KvGibOpt = Annotated[Optional[float], typer.Option("--kv-gib", help="KV budget in GiB (default: what the device "
+                                                   "leaves after weights and a reserve).")]
+
+
+def _parallel(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"--parallel takes a number or auto, not {value!r}") from None
 
 
 def _settings(family: str, **flags: object):
@@ -50,6 +64,9 @@ def serve(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     prefill_chunk: ChunkOpt = DEFAULT_PREFILL_CHUNK,
+    parallel: ParallelOpt = "auto",
+    page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
+    kv_gib: KvGibOpt = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id in the API (default: dir name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
@@ -59,7 +76,8 @@ def serve(
     try:
         settings, chosen = _settings(family, model=model, host=host, port=port, context=context, dtype=dtype,
                                      device=device, prefill_chunk=prefill_chunk, served_name=served_model_name,
-                                     max_waiting=max_waiting)
+                                     max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
+                                     kv_gib=kv_gib)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)
@@ -113,13 +131,17 @@ def explain(
     context: ContextOpt = DEFAULT_CONTEXT,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    parallel: ParallelOpt = "auto",
+    page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
+    kv_gib: KvGibOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the memory plan for a checkpoint without serving it."""
     from tensorfold.explain import plan_text, serving_plan
 
     try:
-        settings, chosen = _settings(family, model=model, context=context, dtype=dtype, device=device)
+        settings, chosen = _settings(family, model=model, context=context, dtype=dtype, device=device,
+                                     parallel=_parallel(parallel), page_rows=page_rows, kv_gib=kv_gib)
         plan = serving_plan(settings, chosen)
     except (PluginError, Refused, SwitchError, OSError, ValueError) as err:
         _fail(err)

@@ -8,35 +8,14 @@ from typing import Any
 
 import torch
 
-from tensorfold.boot import all_refusals, checkpoint_of, resolve_device, resolve_dtype
+from tensorfold.boot import all_refusals, checkpoint_of, memory_plan, resolve_device, resolve_dtype
+from tensorfold.refusals import Refusal
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
 from tensorfold.settings import Settings
 
 MIB = 2**20
-
-
-def weight_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
-    """Bytes of the checkpoint's floating-point weights once cast to `dtype` (others as stored)."""
-    from safetensors import safe_open
-
-    total = 0
-    for shard in checkpoint.shards():
-        with safe_open(shard, framework="pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                count = 1
-                for n in piece.get_shape():
-                    count *= n
-                stored = piece.get_dtype()
-                size = dtype.itemsize if stored in ("F32", "F16", "BF16") else _itemsize(stored)
-                total += count * size
-    return total
-
-
-def _itemsize(stored: str) -> int:
-    return {"F64": 8, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}.get(stored, 1)
 
 
 def serving_plan(settings: Settings, family: Family) -> dict[str, Any]:
@@ -47,12 +26,15 @@ def serving_plan(settings: Settings, family: Family) -> dict[str, Any]:
     dtype = resolve_dtype(settings.dtype, device) if settings.dtype in ("auto", "float32", "bfloat16",
                                                                           "float16") else torch.float32
     layout = family.declare(checkpoint.config, dtype).layout
+    memory, memory_refusals = memory_plan(settings, layout, checkpoint, device, dtype)
+    refusals += [Refusal("core", m) for m in memory_refusals]
     return {
         "family": family.name, "checkpoint": str(checkpoint.directory), "model_type": checkpoint.model_type,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "context": settings.context,
-        "weights_bytes": weight_bytes(checkpoint, dtype) if checkpoint.shards() else None,
+        "weights_bytes": checkpoint.weight_bytes(dtype) if checkpoint.shards() else None,
         "bytes_per_token": layout.bytes_per_token, "fixed_bytes_per_stream": layout.fixed_bytes,
         "by_kind": layout.by_kind(), "stream_bytes_at_context": layout.stream_bytes(settings.context),
+        "memory": memory.describe() if memory is not None else None,
         "refusals": [f"[{r.source}] {r.message}" for r in refusals],
     }
 
@@ -71,6 +53,11 @@ def plan_text(plan: dict[str, Any]) -> str:
              f"per token          {plan['bytes_per_token']:10.0f} B",
              f"fixed per stream   {plan['fixed_bytes_per_stream'] / MIB:10.2f} MiB",
              f"one stream at full context {plan['stream_bytes_at_context'] / MIB:10.2f} MiB"]
+    if plan["memory"] is not None:
+        m = plan["memory"]
+        lines.append(f"KV budget          {m['budget_bytes'] / MIB:10.2f} MiB → {m['parallel']} streams, "
+                     f"{m['pages']} pages of {m['page_rows']} rows ({m['page_bytes'] / MIB:.2f} MiB each), "
+                     f"{m['kv_bytes'] / MIB:.2f} MiB held")
     for kind, entry in plan["by_kind"].items():
         lines.append(f"  {kind:<16} {entry['layers']:3d} layers · {entry['bytes_per_token']:8.0f} B/token · "
                      f"{entry['fixed_bytes'] / MIB:8.2f} MiB fixed")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -21,6 +21,10 @@ class Submitter(Protocol):
         """Queue a request; events reach request.on_event from the engine thread. Raises QueueFull."""
         ...
 
+    def snapshot(self) -> dict[str, Any]:
+        """Streams and memory now, for GET /memory."""
+        ...
+
 
 @attrs.frozen
 class Service:
@@ -32,3 +36,4 @@ class Service:
     family: str
     context: int
     defaults: Sampling
+    plan: dict[str, Any] = attrs.field(factory=dict)

@@ -12,6 +12,11 @@ TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}
 DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 2048
+DEFAULT_PAGE_ROWS = 256
+CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
+    ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
+    ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
+)
 
 
 class SwitchError(ValueError):
@@ -51,8 +56,11 @@ class Settings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     served_name: str | None = None
     max_waiting: int = 64
+    parallel: int | None = None
+    page_rows: int = DEFAULT_PAGE_ROWS
+    kv_gib: float | None = None
     cache_dir: Path = attrs.field(factory=lambda: cache_home(os.environ))
-    switches: Mapping[str, bool] = attrs.field(factory=dict, converter=dict)
+    switches: Mapping[str, bool] = attrs.field(factory=lambda: dict(CORE_SWITCHES), converter=dict)
 
     def switch(self, name: str) -> bool:
         """A switch read at startup; asking for one that was not read is a bug, not a default."""
@@ -61,5 +69,5 @@ class Settings:
 
 def read_settings(environ: Mapping[str, str], switch_defaults: Iterable[tuple[str, bool]], **flags: object) -> Settings:
     """Build the record from parsed flags and the environment; the only place TF_* switches are read."""
-    switches = {name: read_switch(environ, name, default) for name, default in switch_defaults}
+    switches = {name: read_switch(environ, name, default) for name, default in (*CORE_SWITCHES, *switch_defaults)}
     return Settings(cache_dir=cache_home(environ), switches=switches, **flags)

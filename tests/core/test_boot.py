@@ -11,6 +11,7 @@ import torch
 from tensorfold.boot import boot, generation_defaults, resolve_dtype
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.embedded import embedded_checkpoint
+from tensorfold.kv import WindowStore
 from tensorfold.refusals import Refused
 from tensorfold.settings import Settings
 from tensorfold.tokenizer import ChatTokenizer
@@ -39,7 +40,22 @@ def test_a_checkpoint_of_another_model_type_is_refused_by_name(example, tiny_dir
 def test_boot_builds_a_service(example, tiny_dir):
     loaded = boot(Settings(family="example", model=tiny_dir, context=64, served_name="tiny"), example)
     assert loaded.service.model_name == "tiny" and loaded.service.context == 64
-    assert loaded.dtype == torch.float32 and loaded.engine.kv.capacity == 64
+    assert loaded.dtype == torch.float32 and loaded.engine.kv.page_rows == 256
+    assert loaded.engine.memory.slots.count == 8 and loaded.engine.kv.pages == 8
+
+
+def test_pages_off_gives_one_window_per_stream(example, tiny_dir):
+    switches = {"TF_KV_PAGES": False, "TF_KV_POISON": True}
+    loaded = boot(Settings(family="example", model=tiny_dir, context=64, parallel=3, switches=switches), example)
+    assert isinstance(loaded.engine.kv, WindowStore) and loaded.engine.kv.capacity == 64
+    assert loaded.engine.kv.poison and loaded.engine.memory.pool is None
+
+
+def test_a_parallel_that_does_not_fit_is_refused_with_the_numbers(example, tiny_dir):
+    settings = Settings(family="example", model=tiny_dir, context=4096, parallel=8, kv_gib=0.01)
+    with pytest.raises(Refused, match=r"--parallel 8 needs 32.0 MiB of KV at --context 4096, the budget is 10.2 MiB: "
+                                      r"serve --parallel 2 or lower --context"):
+        boot(settings, example)
 
 
 def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_cuda():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorfold.image import ImageFormat, StateImage, put_back, read_out, row_offset
-from tensorfold.kv import KvStore
+from tensorfold.kv import KvStore, WindowStore
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
 
 LAYOUT = Layout([
@@ -17,7 +17,7 @@ FMT = ImageFormat.of_layout("test", 1, LAYOUT)
 
 
 def filled(at: int) -> KvStore:
-    kv = KvStore(LAYOUT, slots=2, capacity=32, poison=True)
+    kv = WindowStore(LAYOUT, slots=2, capacity=32, poison=True)
     kv.clear(0)
     generator = torch.Generator().manual_seed(0)
     kv.fixed(0, "s", 0).copy_(torch.randn(3, 3, generator=generator))
@@ -49,7 +49,7 @@ def test_rows_are_laid_by_position_so_prefixes_share_bytes():
 def test_plain_rows_take_the_vectorised_path_and_agree():
     layout = Layout([LayerLayout("attn", rows=[RowState("k", (2,), "float32"), RowState("v", (3,), "bfloat16")])])
     fmt = ImageFormat.of_layout("plain", 1, layout)
-    kv = KvStore(layout, slots=2, capacity=8)
+    kv = WindowStore(layout, slots=2, capacity=8)
     kv.write_rows(0, "k", 0, 0, torch.arange(10.0).reshape(5, 2))
     kv.write_rows(0, "v", 0, 0, torch.arange(15.0).reshape(5, 3).bfloat16())
     image = read_out(kv, 0, 5, fmt)
@@ -75,7 +75,7 @@ def test_an_image_of_another_format_or_layout_is_refused():
     image = read_out(kv, 0, 5, FMT)
     with pytest.raises(ValueError, match="this family writes other v1"):
         put_back(kv, 1, image, ImageFormat("other", 1, FMT.own, FMT.rows))
-    other = KvStore(Layout([LayerLayout("rec", fixed=[FixedState("s", (3, 3), "float32"),
+    other = WindowStore(Layout([LayerLayout("rec", fixed=[FixedState("s", (3, 3), "float32"),
                                                       FixedState("conv", (5,), "bfloat16")]),
                             LayerLayout("attn", rows=[RowState("k", (2, 4), "float32"),
                                                       RowState("pool", (3,), "float32", every=4)])]), 1, 8)

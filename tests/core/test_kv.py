@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorfold.kv import KvStore
+from tensorfold.kv import KvStore, WindowStore
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
 
 LAYOUT = Layout([LayerLayout("mixed", rows=[RowState("k", (2, 3), "float32"), RowState("p", (4,), "float32", every=4)],
@@ -13,7 +13,7 @@ LAYOUT = Layout([LayerLayout("mixed", rows=[RowState("k", (2, 3), "float32"), Ro
 
 
 def test_rows_written_are_read_back_per_slot():
-    kv = KvStore(LAYOUT, slots=2, capacity=16)
+    kv = WindowStore(LAYOUT, slots=2, capacity=16)
     values = torch.randn(5, 2, 3)
     kv.write_rows(0, "k", 1, 3, values)
     assert torch.equal(kv.rows(0, "k", 1, 8)[3:8], values)
@@ -21,20 +21,20 @@ def test_rows_written_are_read_back_per_slot():
 
 
 def test_pooled_rows_are_entries_per_group():
-    kv = KvStore(LAYOUT, slots=1, capacity=16)
+    kv = WindowStore(LAYOUT, slots=1, capacity=16)
     kv.write_rows(0, "p", 0, 4, torch.ones(2, 4))
     assert kv.rows(0, "p", 0, 11).shape == (2, 4)
     assert kv.rows(0, "p", 0, 12).shape == (3, 4)
 
 
 def test_writing_past_the_window_is_an_error():
-    kv = KvStore(LAYOUT, slots=1, capacity=4)
+    kv = WindowStore(LAYOUT, slots=1, capacity=4)
     with pytest.raises(IndexError, match="exceed the window"):
         kv.write_rows(0, "k", 0, 2, torch.zeros(3, 2, 3))
 
 
 def test_clear_zeroes_fixed_states_and_poisons_rows():
-    kv = KvStore(LAYOUT, slots=2, capacity=8, poison=True)
+    kv = WindowStore(LAYOUT, slots=2, capacity=8, poison=True)
     kv.fixed(0, "s", 0).fill_(3.0)
     kv.fixed(0, "s", 1).fill_(3.0)
     kv.clear(0)
@@ -43,11 +43,54 @@ def test_clear_zeroes_fixed_states_and_poisons_rows():
 
 
 def test_nbytes_is_the_window_times_row_bytes_plus_fixed():
-    kv = KvStore(LAYOUT, slots=3, capacity=8)
+    kv = WindowStore(LAYOUT, slots=3, capacity=8)
     assert kv.nbytes == 3 * (8 * 2 * 3 * 4 + 2 * 4 * 4 + 2 * 2 * 4)
 
 
 def test_a_family_writing_the_wrong_dtype_is_told():
-    kv = KvStore(LAYOUT, slots=1, capacity=8)
+    kv = WindowStore(LAYOUT, slots=1, capacity=8)
     with pytest.raises(TypeError, match="the Layout declares torch.float32, the family wrote torch.bfloat16"):
         kv.write_rows(0, "k", 0, 0, torch.zeros(1, 2, 3, dtype=torch.bfloat16))
+
+
+def test_paged_rows_read_back_through_a_scrambled_table():
+    from tensorfold.kv import PagedStore
+
+    kv = PagedStore(LAYOUT, slots=2, pages=6, page_rows=4)
+    kv.bind(0, [5, 1, 3])
+    kv.bind(1, [0, 2])
+    values = torch.randn(11, 2, 3)
+    kv.write_rows(0, "k", 0, 0, values[:6])
+    kv.write_rows(0, "k", 0, 6, values[6:])
+    assert torch.equal(kv.rows(0, "k", 0, 11), values)
+    assert torch.equal(kv._pages[0]["k"][1][:2], values[4:6])
+    kv.write_rows(0, "p", 0, 4, torch.ones(2, 4))
+    assert kv.rows(0, "p", 0, 12).shape == (3, 4) and kv.rows(0, "p", 0, 12)[1:].sum() == 8
+    assert kv.rows(0, "k", 1, 0).shape == (0, 2, 3)
+
+
+def test_paged_store_refuses_reads_and_writes_past_its_pages():
+    from tensorfold.kv import PagedStore
+
+    kv = PagedStore(LAYOUT, slots=1, pages=4, page_rows=4)
+    kv.bind(0, [2])
+    with pytest.raises(IndexError, match="its 1 pages hold 4"):
+        kv.write_rows(0, "k", 0, 3, torch.zeros(2, 2, 3))
+    with pytest.raises(IndexError, match="its 1 pages hold 4"):
+        kv.rows(0, "k", 0, 5)
+
+
+def test_fill_poisons_only_the_pages_named():
+    from tensorfold.kv import PagedStore
+
+    kv = PagedStore(LAYOUT, slots=1, pages=3, page_rows=4, poison=True)
+    kv.fill([1])
+    assert torch.isnan(kv._pages[0]["k"][1]).all() and not torch.isnan(kv._pages[0]["k"][0]).any()
+    assert kv.page_bytes == 4 * 2 * 3 * 4 + 1 * 4 * 4
+
+
+def test_page_rows_must_hold_whole_pools():
+    from tensorfold.kv import PagedStore
+
+    with pytest.raises(ValueError, match="--page-rows 6 is not a multiple of row state 'p'"):
+        PagedStore(LAYOUT, slots=1, pages=2, page_rows=6)

@@ -1,4 +1,5 @@
-"""The step loop: one thread that admits requests, prefills them on the grid, decodes and reports events."""
+"""The step loop: one thread that admits requests, runs steps that mix prefill chunks and decode rows, and
+reports events. It runs no hooks and no string lookups; the forward is resolved once at startup."""
 
 from __future__ import annotations
 
@@ -9,96 +10,149 @@ import threading
 import torch
 
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, TokenEvent
-from tensorfold.engine.grid import grid_cuts
-from tensorfold.engine.sampler import Sampler
+from tensorfold.engine.memory import StreamMemory
+from tensorfold.engine.scheduler import Scheduler
+from tensorfold.engine.stream import Stream
 from tensorfold.family import FamilyModel
-from tensorfold.kv import KvStore
-from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.service import QueueFull
 
 log = logging.getLogger(__name__)
-SLOT = 0
 
 
 class Engine:
-    """Serves one request at a time in slot 0; the server only ever calls `submit`."""
+    """Many streams share one memory and one step loop; the server only ever calls `submit`."""
 
-    def __init__(self, model: FamilyModel, kv: KvStore, prefill_chunk: int, context: int, max_waiting: int) -> None:
+    def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
+                 max_waiting: int) -> None:
         self.model = model
-        self.kv = kv
-        self.prefill_chunk = prefill_chunk
+        self.memory = memory
+        self.scheduler = Scheduler(memory, context, prefill_chunk)
         self.context = context
-        self._waiting: queue.Queue[Request | None] = queue.Queue(maxsize=max_waiting)
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.integrity = "not checked yet"
         self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
+
+    @property
+    def kv(self):
+        """The store the forward reads and writes."""
+        return self.memory.kv
 
     def start(self) -> None:
         """Start the step loop thread."""
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop after the request in flight."""
-        self._waiting.put(None)
+        """Stop; streams still running are cancelled."""
+        self._inbox.put(None)
         self._thread.join(timeout)
 
     def submit(self, request: Request) -> None:
-        """Queue a request; raises QueueFull past --max-waiting."""
-        try:
-            self._waiting.put_nowait(request)
-        except queue.Full as err:
-            raise QueueFull(f"{self._waiting.maxsize} requests are already waiting") from err
+        """Queue a request; raises QueueFull when --max-waiting requests already wait."""
+        with self._lock:
+            if self._queued >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are already waiting")
+            self._queued += 1
+        self._inbox.put(request)
 
     def _loop(self) -> None:
-        while (request := self._waiting.get()) is not None:
-            try:
-                with torch.inference_mode():
-                    self._serve(request)
-            except Exception as err:
-                log.exception("request %s failed", request.id)
-                request.on_event(ErrorEvent(f"the engine failed this request: {type(err).__name__}: {err}"))
+        with torch.inference_mode():
+            while not self._stopping:
+                idle = not self.scheduler.running and not self.scheduler.waiting
+                if idle:
+                    self._check_memory()
+                self._take_inbox(block=idle)
+                self._step()
+            for stream in list(self.scheduler.running):
+                self._end(stream, "cancelled")
 
-    def _serve(self, request: Request) -> None:
-        prompt = request.prompt
-        if not prompt or len(prompt) >= self.context:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.context}")
-        self.kv.clear(SLOT)
-        logits = self._prefill(request)
-        if logits is None:
-            request.on_event(DoneEvent("cancelled", len(prompt), 0, 0))
-            return
-        self._decode(request, logits)
+    def _check_memory(self) -> None:
+        """With nothing running, every page and slot must be back; a failure is logged and shown on /memory."""
+        try:
+            self.memory.check_integrity()
+            if self.memory.slots.free != self.memory.slots.count:
+                raise AssertionError(f"{self.memory.slots.count - self.memory.slots.free} slots held with no stream")
+            self.integrity = "ok"
+        except AssertionError as err:
+            log.error("memory integrity: %s", err)
+            self.integrity = str(err)
 
-    def _prefill(self, request: Request) -> torch.Tensor | None:
-        prompt = request.prompt
-        logits = None
-        for a, b in grid_cuts(0, len(prompt), self.prefill_chunk):
-            if request.cancelled.is_set():
-                return None
-            plan = StepPlan((StreamStep(SLOT, a, prompt[a:b], sample=b == len(prompt)),))
-            logits = self.model.forward(plan, self.kv)
-        return logits
-
-    def _decode(self, request: Request, logits: torch.Tensor) -> None:
-        sampling = request.sampling
-        sampler = Sampler(sampling)
-        position = len(request.prompt)
-        produced = 0
+    def _take_inbox(self, block: bool) -> None:
         while True:
-            token = sampler.sample(logits[0])
-            produced += 1
-            request.on_event(TokenEvent(token))
-            reason = self._finish_reason(request, token, produced, position + 1)
-            if reason is not None:
-                request.on_event(DoneEvent(reason, len(request.prompt), produced, 0))
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
                 return
-            logits = self.model.forward(StepPlan((StreamStep(SLOT, position, (token,)),)), self.kv)
-            position += 1
+            block = False
+            if item is None:
+                self._stopping = True
+                return
+            if not item.prompt or len(item.prompt) >= self.context:
+                self._dequeued()
+                item.on_event(ErrorEvent(f"prompt of {len(item.prompt)} tokens does not fit the context of "
+                                         f"{self.context}"))
+                continue
+            self.scheduler.waiting.append(item)
 
-    def _finish_reason(self, request: Request, token: int, produced: int, rows: int) -> str | None:
-        sampling = request.sampling
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _step(self) -> None:
+        self._reap_cancelled()
+        for _ in self.scheduler.admit():
+            self._dequeued()
+        planned = self.scheduler.plan()
+        if planned is None:
+            return
+        plan, streams = planned
+        try:
+            logits = self.model.forward(plan, self.memory.kv)
+        except Exception as err:
+            log.exception("step of %d streams failed", len(streams))
+            for stream in streams:
+                self._fail(stream, f"the engine failed this request: {type(err).__name__}: {err}")
+            return
+        row = 0
+        for stream, share in zip(streams, plan.streams):
+            stream.position = share.end
+            if share.sample:
+                self._sampled(stream, logits[row])
+                row += 1
+
+    def _reap_cancelled(self) -> None:
+        for stream in list(self.scheduler.running):
+            if stream.request.cancelled.is_set():
+                self._end(stream, "cancelled")
+        for request in [r for r in self.scheduler.waiting if r.cancelled.is_set()]:
+            self.scheduler.waiting.remove(request)
+            self._dequeued()
+            request.on_event(DoneEvent("cancelled", len(request.prompt), 0, 0))
+
+    def _sampled(self, stream: Stream, logits: torch.Tensor) -> None:
+        token = stream.sampler.sample(logits)
+        stream.produced += 1
+        stream.request.on_event(TokenEvent(token))
+        sampling = stream.request.sampling
         if token in sampling.stop_token_ids:
-            return "stop"
-        if produced >= sampling.max_tokens or rows >= self.context:
-            return "length"
-        if request.cancelled.is_set():
-            return "cancelled"
-        return None
+            self._end(stream, "stop")
+        elif stream.produced >= sampling.max_tokens or stream.position + 1 >= self.context:
+            self._end(stream, "length")
+        else:
+            stream.pending = token
+
+    def _end(self, stream: Stream, reason: str) -> None:
+        self.scheduler.finish(stream)
+        stream.request.on_event(DoneEvent(reason, stream.prompt_len, stream.produced, 0))
+
+    def _fail(self, stream: Stream, message: str) -> None:
+        self.scheduler.finish(stream)
+        stream.request.on_event(ErrorEvent(message))
+
+    def snapshot(self) -> dict[str, int]:
+        """Streams and memory now, for /memory (read from another thread: numbers may be a step old)."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "integrity_when_idle": self.integrity, **self.memory.snapshot()}

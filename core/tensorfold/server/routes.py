@@ -87,6 +87,9 @@ def routes(service: Service) -> list[Route]:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def memory(request: Request) -> Response:
+        return JSONResponse({"plan": service.plan, "now": service.engine.snapshot()})
+
     async def tokenize(request: Request) -> Response:
         found = await run_in_threadpool(parse_tokenize, parse_body(await request.body()), service)
         return JSONResponse({"tokens": list(found.tokens), "count": len(found.tokens),
@@ -102,6 +105,7 @@ def routes(service: Service) -> list[Route]:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/memory", memory, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]

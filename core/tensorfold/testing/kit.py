@@ -17,7 +17,7 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.engine.grid import grid_cuts
 from tensorfold.family import Declarations, Family, FamilyModel
 from tensorfold.image import StateImage, put_back, read_out
-from tensorfold.kv import KvStore
+from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.settings import Settings
 
@@ -33,9 +33,19 @@ class Subject:
     dtype: torch.dtype
     device: torch.device
 
-    def store(self, slots: int, capacity: int) -> KvStore:
-        """Fresh memory for `slots` streams, poisoned."""
-        return KvStore(self.declarations.layout, slots, capacity, self.device, poison=True)
+    def store(self, slots: int, capacity: int, page_rows: int | None = None) -> KvStore:
+        """Fresh poisoned memory for `slots` streams of `capacity` rows: one window each, or pages of `page_rows`
+        rows handed out in a scrambled order (so a family that assumes contiguous pages shows up)."""
+        layout = self.declarations.layout
+        if page_rows is None:
+            return WindowStore(layout, slots, capacity, self.device, poison=True)
+        per_slot = -(-capacity // page_rows)
+        store = PagedStore(layout, slots, slots * per_slot, page_rows, self.device, poison=True)
+        order = torch.randperm(slots * per_slot, generator=torch.Generator().manual_seed(slots * per_slot)).tolist()
+        store.fill(order)
+        for slot in range(slots):
+            store.bind(slot, order[slot * per_slot: (slot + 1) * per_slot])
+        return store
 
 
 def load(family: Family, directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Subject:
@@ -130,3 +140,40 @@ def check_chunked(subject: Subject, tokens: Sequence[int], cuts: Sequence[int], 
     assert worst <= tolerance, f"chunked vs one-shot differ by {worst:.3e} > {tolerance:.1e}"
     assert cut_tokens == one_tokens, f"chunked tokens {cut_tokens} != one-shot {one_tokens}"
     return worst
+
+
+def check_paged(subject: Subject, tokens: Sequence[int], page_rows: int, chunk: int, steps: int = 8) -> None:
+    """Rows in scrambled pages give bit-identical logits to one contiguous window."""
+    capacity = len(tokens) + steps + 1
+    runs = []
+    for store in (subject.store(1, capacity), subject.store(1, capacity, page_rows=page_rows)):
+        logits = prefill(subject, store, 0, tokens, 0, len(tokens), chunk)
+        runs.append(decode(subject, store, 0, logits, len(tokens), steps))
+    (window_tokens, window_logits), (paged_tokens, paged_logits) = runs
+    assert paged_tokens == window_tokens, f"paged tokens {paged_tokens} != window {window_tokens}"
+    for step, (a, b) in enumerate(zip(window_logits, paged_logits)):
+        assert torch.equal(a, b), f"step {step}: paged logits differ from window by {(a - b).abs().max():.3e}"
+
+
+def check_batch_invariance(subject: Subject, tokens: Sequence[int], sizes: Sequence[int] = (1, 2, 4, 8, 16),
+                           page_rows: int = 16) -> None:
+    """One stream's logits are bitwise the same alone and inside steps of 1..16 streams at varied positions,
+    some decoding one row, some prefilling a chunk."""
+    largest = max(sizes)
+    capacity = len(tokens) + 2
+    starts = [(7 * i + 3) % (len(tokens) - 9) + 1 for i in range(largest)]
+    for size in sizes:
+        alone, batched = (subject.store(largest, capacity, page_rows=page_rows) for _ in range(2))
+        for store in (alone, batched):
+            for slot in range(size):
+                prefill(subject, store, slot, tokens, 0, starts[slot], [])
+        target = StreamStep(0, starts[0], tuple(tokens[starts[0]: starts[0] + 1]), sample=True)
+        others = [StreamStep(slot, starts[slot], tuple(tokens[starts[slot]: starts[slot] + 1 + (slot % 3) * 4]),
+                             sample=slot % 2 == 0) for slot in range(1, size)]
+        half = len(others) // 2
+        plan = StepPlan((*others[:half], target, *others[half:]))
+        solo = subject.model.forward(StepPlan((target,)), alone)[0]
+        row = sum(1 for share in others[:half] if share.sample)
+        mixed = subject.model.forward(plan, batched)[row]
+        assert torch.equal(solo, mixed), (
+            f"with {size} streams in the step, stream 0's logits differ from alone by {(solo - mixed).abs().max():.3e}")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tensorfold.checkpoint import Checkpoint
-from tensorfold.kv import KvStore
+from tensorfold.kv import KvStore, WindowStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.settings import Settings
 from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
@@ -102,7 +102,7 @@ def store(directory: Path, dtype: torch.dtype = torch.float32, slots: int = 2,
           capacity: int = PROMPT + GREEDY + 1) -> KvStore:
     """Memory as the engine would hold it, from the family's own Layout for this checkpoint."""
     layout = plugin.family_kv_layout(config=Checkpoint(directory).config, dtype=dtype)
-    return KvStore(layout, slots, capacity, poison=True)   # NaN in unwritten rows: a wrong read shows up
+    return WindowStore(layout, slots, capacity, poison=True)   # NaN in unwritten rows: a wrong read shows up
 
 
 def every_row(model: ExampleModel, kv: KvStore, tokens: list[int], cuts: list[int], slot: int = 0) -> torch.Tensor:

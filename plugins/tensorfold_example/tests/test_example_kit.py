@@ -38,3 +38,11 @@ def test_chunked_vs_one_shot(family, checkpoint):
     subject = kit.load(family, checkpoint)
     worst = kit.check_chunked(subject, PROMPT, cuts=[1, 9, 33, 64, 90], tolerance=1e-4)
     print(f"example chunked vs one-shot max |Δlogit| {worst:.2e}")
+
+
+def test_paged_equals_window(family, checkpoint):
+    kit.check_paged(kit.load(family, checkpoint), PROMPT, page_rows=16, chunk=32)
+
+
+def test_batch_invariance(family, checkpoint):
+    kit.check_batch_invariance(kit.load(family, checkpoint), PROMPT)

@@ -8,7 +8,10 @@ import pytest
 
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, Sampling, TokenEvent
 from tensorfold.engine.runner import Engine
-from tensorfold.kv import KvStore
+from tensorfold.engine.memory import StreamMemory
+from tensorfold.kv import PagedStore
+from tensorfold.pool.pages import PagePool
+from tensorfold.pool.slots import SlotPool
 from tensorfold.service import QueueFull
 from tensorfold.testing import kit
 
@@ -20,9 +23,16 @@ def subject(example, tiny_dir):
     return kit.load(example, tiny_dir)
 
 
-def engine_for(subject, chunk=16, context=128, max_waiting=8) -> Engine:
-    kv = KvStore(subject.declarations.layout, 1, context, poison=True)
-    engine = Engine(subject.model, kv, prefill_chunk=chunk, context=context, max_waiting=max_waiting)
+def memory_for(subject, context=128, parallel=1, page_rows=16, pages=None) -> StreamMemory:
+    layout = subject.declarations.layout
+    pages = pages or parallel * -(-context // page_rows)
+    store = PagedStore(layout, parallel, pages, page_rows, poison=True)
+    return StreamMemory(store, SlotPool(parallel), PagePool(pages, page_rows))
+
+
+def engine_for(subject, chunk=16, context=128, max_waiting=8, parallel=1) -> Engine:
+    engine = Engine(subject.model, memory_for(subject, context, parallel), prefill_chunk=chunk, context=context,
+                    max_waiting=max_waiting)
     engine.start()
     return engine
 
@@ -126,8 +136,7 @@ def test_a_prompt_over_the_context_is_an_error_event(subject):
 
 
 def test_the_waiting_queue_is_bounded(subject):
-    kv = KvStore(subject.declarations.layout, 1, 64)
-    engine = Engine(subject.model, kv, prefill_chunk=16, context=64, max_waiting=2)
+    engine = Engine(subject.model, memory_for(subject, 64), prefill_chunk=16, context=64, max_waiting=2)
     noop = lambda event: None  # noqa: E731
     engine.submit(Request("a", PROMPT, Sampling(), noop))
     engine.submit(Request("b", PROMPT, Sampling(), noop))

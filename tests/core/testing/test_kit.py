@@ -61,3 +61,23 @@ def test_the_kit_catches_a_chunking_error(subject):
 
     with pytest.raises(AssertionError, match="chunked vs one-shot differ"):
         kit.check_chunked(attrs.evolve(subject, model=Shifted(subject.model)), PROMPT, cuts=[10], tolerance=1e-4)
+
+
+@pytest.mark.parametrize("page_rows", [4, 16, 64])
+def test_paged_equals_window(subject, page_rows):
+    kit.check_paged(subject, PROMPT, page_rows=page_rows, chunk=16)
+
+
+def test_batch_invariance(subject):
+    kit.check_batch_invariance(subject, PROMPT)
+
+
+def test_the_kit_catches_a_batch_dependent_forward(subject):
+    import attrs
+
+    class Crowded(Leaky):
+        def forward(self, plan, kv):
+            return self.inner.forward(plan, kv) * (1 + 1e-6 * len(plan.streams))
+
+    with pytest.raises(AssertionError, match="with 2 streams in the step"):
+        kit.check_batch_invariance(attrs.evolve(subject, model=Crowded(subject.model)), PROMPT, sizes=(1, 2))

@@ -1,0 +1,81 @@
+"""Admission and step building: who runs, and which rows each running stream feeds this step.
+
+    each step:  every decoding stream feeds 1 row;
+                prefilling streams, oldest first, feed their next chunk on the absolute grid
+                [p, min(prompt, (p // chunk + 1) · chunk)) while the step's rows stay within one chunk's worth
+                (the oldest prefilling stream always gets its chunk, so every stream progresses)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tensorfold.engine.api import Request
+from tensorfold.engine.memory import StreamMemory
+from tensorfold.engine.sampler import Sampler
+from tensorfold.engine.stream import Stream
+from tensorfold.plan import StepPlan, StreamStep
+
+
+class Scheduler:
+    """Bookkeeping only: it never touches tensors beyond binding page tables through StreamMemory."""
+
+    def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int) -> None:
+        self.memory = memory
+        self.context = context
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Stream] = []
+
+    def reach(self, request: Request) -> int:
+        """Rows a request can reach: prompt + max_tokens, capped by the context."""
+        return min(len(request.prompt) + request.sampling.max_tokens, self.context)
+
+    def admit(self) -> list[Stream]:
+        """Admit waiting requests in order while a slot and their lease fit; the first that does not, waits."""
+        admitted = []
+        while self.waiting and self.memory.fits(self.reach(self.waiting[0])):
+            request = self.waiting.popleft()
+            claim = self.memory.take(request.id, self.reach(request))
+            stream = Stream(request, claim, Sampler(request.sampling))
+            self.running.append(stream)
+            admitted.append(stream)
+        return admitted
+
+    def plan(self) -> tuple[StepPlan, list[Stream]] | None:
+        """The next step and the streams in it, in plan order; None when nothing runs."""
+        shares: list[tuple[Stream, StreamStep]] = []
+        rows = 0
+        for stream in self.running:
+            if not stream.prefilling:
+                shares.append((stream, self._decode_share(stream)))
+                rows += 1
+        first = True
+        for stream in self.running:
+            if stream.prefilling:
+                share = self._prefill_share(stream)
+                if not first and rows + len(share.tokens) > self.prefill_chunk:
+                    continue
+                shares.append((stream, share))
+                rows += len(share.tokens)
+                first = False
+        if not shares:
+            return None
+        for stream, share in shares:
+            self.memory.extend(stream.claim, share.end)
+        return StepPlan(tuple(share for _, share in shares)), [stream for stream, _ in shares]
+
+    def finish(self, stream: Stream) -> None:
+        """Take a stream out and return everything it holds."""
+        self.running.remove(stream)
+        self.memory.release(stream.claim)
+
+    def _decode_share(self, stream: Stream) -> StreamStep:
+        assert stream.pending is not None
+        return StreamStep(stream.claim.slot, stream.position, (stream.pending,), sample=True)
+
+    def _prefill_share(self, stream: Stream) -> StreamStep:
+        start = stream.position
+        end = min(stream.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        tokens = stream.request.prompt[start:end]
+        return StreamStep(stream.claim.slot, start, tokens, sample=end == stream.prompt_len)

@@ -1,0 +1,31 @@
+"""A running stream: its request, what it holds, and how far it has got."""
+
+from __future__ import annotations
+
+import attrs
+
+from tensorfold.engine.api import Request
+from tensorfold.engine.memory import Claim
+from tensorfold.engine.sampler import Sampler
+
+
+@attrs.define
+class Stream:
+    """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode."""
+
+    request: Request
+    claim: Claim
+    sampler: Sampler
+    position: int = 0
+    produced: int = 0
+    pending: int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        """Rows of the prompt."""
+        return len(self.request.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        """Still feeding prompt rows."""
+        return self.position < self.prompt_len

@@ -1,0 +1,80 @@
+"""KV rows in pages: one page id spans every layer's row states; a slot reads through its page table.
+
+    page p, row state s of layer l:  pages[l][s][p] holds entries for page_rows rows ([page_rows / every, *shape])
+    slot's row r lives in page table[r // page_rows] at offset r % page_rows
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorfold.kv.base import KvStore
+from tensorfold.layout import DTYPES, Layout
+
+
+class PagedStore(KvStore):
+    """Rows in `pages` pages of `page_rows` rows; the engine binds each slot's page table before its steps."""
+
+    def __init__(self, layout: Layout, slots: int, pages: int, page_rows: int, device: torch.device | str = "cpu",
+                 poison: bool = False) -> None:
+        super().__init__(layout, slots, device, poison)
+        for layer in layout.layers:
+            for s in layer.rows:
+                if page_rows % s.every:
+                    raise ValueError(f"--page-rows {page_rows} is not a multiple of row state {s.name!r}'s every "
+                                     f"{s.every}")
+        self.pages = pages
+        self.page_rows = page_rows
+        self._pages: list[dict[str, torch.Tensor]] = [
+            {s.name: torch.zeros((pages, page_rows // s.every, *s.shape), dtype=DTYPES[s.dtype], device=self.device)
+             for s in layer.rows}
+            for layer in layout.layers
+        ]
+        self._tables: list[torch.Tensor] = [torch.empty(0, dtype=torch.long, device=self.device)] * slots
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page holds across every layer."""
+        return sum(t[0].numel() * t.element_size() for layer in self._pages for t in layer.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every page and the fixed states."""
+        return self.pages * self.page_bytes + self.fixed_nbytes
+
+    def bind(self, slot: int, table: list[int]) -> None:
+        """Set the slot's page table (its pages in row order)."""
+        self._tables[slot] = torch.tensor(table, dtype=torch.long, device=self.device)
+
+    def fill(self, pages: list[int]) -> None:
+        """Poison freshly handed-out pages with NaN (TF_KV_POISON), so a read of an unwritten row shows."""
+        if not pages:
+            return
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        for layer in self._pages:
+            for state in layer.values():
+                state[index] = float("nan") if state.dtype.is_floating_point else 0
+
+    def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
+        """Positions [0, end) gathered from the slot's pages into one tensor (a copy)."""
+        state = self._pages[layer][name]
+        entries = end // self._every[layer][name]
+        per_page = state.shape[1]
+        used = -(-entries // per_page)
+        table = self._tables[slot]
+        if used > table.numel():
+            raise IndexError(f"slot {slot} reads {entries} entries of {name!r}; its {table.numel()} pages hold "
+                             f"{table.numel() * per_page}")
+        return state[table[:used]].reshape(used * per_page, *state.shape[2:])[:entries]
+
+    def write_rows(self, layer: int, name: str, slot: int, start: int, values: torch.Tensor) -> None:
+        """Scatter entries into the slot's pages."""
+        state = self._pages[layer][name]
+        self._check(layer, name, values, state)
+        per_page = state.shape[1]
+        table = self._tables[slot]
+        entry = torch.arange(values.shape[0], device=self.device) + start // self._every[layer][name]
+        if values.shape[0] and int(entry[-1]) // per_page >= table.numel():
+            raise IndexError(f"slot {slot} writes {name!r} entry {int(entry[-1])}; its {table.numel()} pages hold "
+                             f"{table.numel() * per_page}")
+        state[table[entry // per_page], entry % per_page] = values

@@ -1,0 +1,1 @@
+"""Memory bookkeeping: pages of KV rows with reservation leases, and slots for fixed states."""

@@ -1,0 +1,93 @@
+"""The real server under 32 concurrent real clients: no errors, each seeded reply equal to its reply alone, and
+every page back in the pool afterwards (pages poisoned with NaN the whole time)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("load")
+    subprocess.run([sys.executable, "-m", "tensorfold", "make-tiny", "--family", "example", str(directory / "m")],
+                   check=True, capture_output=True)
+    port = free_port()
+    log = open(directory / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "example", "--model",
+                             str(directory / "m"), "--port", str(port), "--parallel", "8", "--page-rows", "16",
+                             "--context", "512", "--prefill-chunk", "64"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TF_KV_POISON": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            raise RuntimeError("server did not start")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.seek(0)
+        print(log.read()[-4000:])
+
+
+def job(i: int) -> dict:
+    words = " ".join(["kept states resume"] * (1 + i % 7))
+    return {"messages": [{"role": "user", "content": f"{i}: {words}"}], "max_tokens": 8 + i % 9,
+            "temperature": 0.0 if i % 2 else 0.9, "seed": 1000 + i, "stream": i % 3 == 0}
+
+
+async def ask(client: openai.AsyncOpenAI, body: dict) -> tuple[str, int]:
+    if body["stream"]:
+        text, count = "", 0
+        stream = await client.chat.completions.create(model="m", extra_body={"ignore_eos": True}, **body,
+                                                      stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if chunk.usage:
+                count = chunk.usage.completion_tokens
+        return text, count
+    reply = await client.chat.completions.create(model="m", extra_body={"ignore_eos": True}, **body)
+    return reply.choices[0].message.content, reply.usage.completion_tokens
+
+
+async def ask_all(base: str, bodies: list[dict]) -> list[tuple[str, int]]:
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        return await asyncio.gather(*(ask(client, body) for body in bodies))
+
+
+def test_32_concurrent_clients_equal_their_solo_replies(server):
+    bodies = [job(i) for i in range(32)]
+    together = asyncio.run(ask_all(server, bodies))
+    alone = [asyncio.run(ask_all(server, [body]))[0] for body in bodies]
+    assert together == alone
+    assert [count for _, count in together] == [body["max_tokens"] for body in bodies]
+    time.sleep(0.5)
+    memory = httpx.get(f"{server}/memory", timeout=5).json()
+    now, plan = memory["now"], memory["plan"]
+    assert now["integrity_when_idle"] == "ok", now
+    assert now["free"] == now["pages"] == plan["pages"] and now["leases"] == 0 and now["slots_free"] == 8
+    assert plan["poison"] is True and plan["parallel"] == 8 and plan["page_rows"] == 16
