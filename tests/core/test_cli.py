@@ -29,8 +29,18 @@ def test_make_tiny_then_explain(tmp_path):
     assert plan["bytes_per_token"] == per_token and plan["fixed_bytes_per_stream"] == 0
     assert plan["stream_bytes_at_context"] == 1024 * per_token and plan["refusals"] == []
     assert plan["weights_bytes"] > 0
+    assert plan["memory"]["parallel"] == 8 and plan["memory"]["pages"] == 8 * 4
+    assert plan["memory"]["page_bytes"] == 256 * per_token
     text = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m")]).output
     assert "per token" in text and "attention" in text and "no refusals" in text
+
+
+def test_explain_shows_the_parallel_refusal_with_numbers(tmp_path):
+    RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    result = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m"), "--parallel", "4",
+                                 "--kv-gib", "0.005", "--context", "4096"])
+    assert "refused: [core] --parallel 4 needs 16.0 MiB of KV at --context 4096, the budget is 5.1 MiB: serve " \
+           "--parallel 1 or lower --context" in result.output, result.output
 
 
 def test_explain_shows_refusals(tmp_path):
