@@ -1,4 +1,5 @@
-"""Fixtures: the tiny tokenizer for unit tests, and one real `tensorfold serve` process for the e2e tests."""
+"""Fixtures: a tiny `example` checkpoint served in-process by the real engine, and one real `tensorfold serve`
+process (with an openai client on it) for the e2e tests."""
 
 from __future__ import annotations
 
@@ -12,20 +13,49 @@ from pathlib import Path
 
 import attrs
 import httpx
+import openai
 import pytest
 
-from server_fakes import make_tokenizer
+from tensorfold.boot import Loaded, boot
+from tensorfold.family import Family
+from tensorfold.plugins import load_families
+from tensorfold.settings import Settings
 from tensorfold.tokenizer import ChatTokenizer
 
 START_TIMEOUT_S = 120.0
 LOG_TAIL = 8000
+IN_PROCESS_CONTEXT = 64
 _logs: list[Path] = []
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
-    """The tiny tokenizer (512 ids, ChatML template, <|im_end|> as the end token)."""
-    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+def example_family() -> Family:
+    """The template family, as the plugin loader finds it."""
+    return load_families(["example"])["example"]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, example_family: Family) -> Path:
+    """A tiny `example` checkpoint (random weights, seed 0; the tiny tokenizer), served under the name `tiny`."""
+    directory = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    directory.mkdir()
+    example_family.make_tiny(directory, seed=0)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_checkpoint: Path) -> ChatTokenizer:
+    """The tiny checkpoint's tokenizer (512 ids, ChatML template, <|im_end|> as the end token)."""
+    return ChatTokenizer(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def loaded(example_family: Family, tiny_checkpoint: Path) -> Iterator[Loaded]:
+    """The tiny checkpoint booted as `serve` boots it (real model, stream memory, engine, service), engine running."""
+    booted = boot(Settings(family="example", model=tiny_checkpoint, context=IN_PROCESS_CONTEXT), example_family)
+    booted.engine.start()
+    yield booted
+    booted.engine.close()
 
 
 @attrs.frozen
@@ -104,6 +134,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> openai.OpenAI:
+    """The real openai client on the e2e server."""
+    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def model(client: openai.OpenAI) -> str:
+    """The name the e2e server serves its model under."""
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def context(client: openai.OpenAI) -> int:
+    """The e2e server's context window, as /v1/models reports it."""
+    return client.models.list().data[0].model_extra["max_model_len"]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:

@@ -6,25 +6,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 
 HI = [{"role": "user", "content": "Hello! How are you today?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def context(client) -> int:
-    return client.models.list().data[0].model_extra["max_model_len"]
 
 
 def detokenize(server, ids: list[int]) -> str:

@@ -9,21 +9,6 @@ import pytest
 HI = [{"role": "user", "content": "Hello!"}]
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def context(client) -> int:
-    return client.models.list().data[0].model_extra["max_model_len"]
-
-
 def refused(call, **kwargs) -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as caught:
         call(**kwargs)

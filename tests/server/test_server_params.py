@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from server_fakes import make_service
 from tensorfold.engine.api import Sampling
 from tensorfold.server.errors import ApiError
 from tensorfold.server.fields import parse_body
@@ -14,8 +14,9 @@ HI = [{"role": "user", "content": "Hello!"}]
 
 
 @pytest.fixture
-def service(tokenizer):
-    return make_service(tokenizer, context=64,
+def service(loaded, tokenizer):
+    """The real tiny service (model `tiny`, context 64) with sampling defaults that differ from every field's own."""
+    return attrs.evolve(loaded.service, tokenizer=tokenizer,
                         defaults=Sampling(temperature=0.7, top_p=0.9, top_k=20, max_tokens=16,
                                           stop_token_ids=tokenizer.eos_ids))
 
@@ -120,8 +121,8 @@ def test_stop_list_drops_empty_and_duplicates(service):
     assert parse_chat({"messages": HI, "stop": ["a", "", "a", "b"]}, service).stop == ("a", "b")
 
 
-def test_default_max_tokens_shrinks_to_context(tokenizer):
-    service = make_service(tokenizer, context=20, defaults=Sampling(max_tokens=4096))
+def test_default_max_tokens_shrinks_to_context(service):
+    service = attrs.evolve(service, context=20, defaults=Sampling(max_tokens=4096))
     got = parse_completion({"prompt": list(range(3, 15))}, service)
     assert got.sampling.max_tokens == 20 - 12
 
@@ -184,7 +185,7 @@ def test_audio_refused_by_name(service):
     assert error.message == "audio is not supported by this server"
 
 
-def test_template_kwargs_reach_the_template(tokenizer):
+def test_template_kwargs_reach_the_template(service, tokenizer):
     class Recording:
         def __init__(self):
             self.kwargs = None
@@ -198,6 +199,6 @@ def test_template_kwargs_reach_the_template(tokenizer):
             return tokenizer.encode(text)
 
     recording = Recording()
-    service = make_service(recording)  # type: ignore[arg-type]
+    service = attrs.evolve(service, tokenizer=recording)
     parse_chat({"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}, service)
     assert recording.kwargs == {"enable_thinking": False}
