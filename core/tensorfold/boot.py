@@ -13,15 +13,15 @@ import torch
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.engine.api import Sampling
+from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.family import Declarations, Family
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import Layout
 from tensorfold.memory_plan import GIB, MemoryPlan, default_budget, plan_memory
+from tensorfold.plugins import installed_names, load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
-from tensorfold.plugins import installed_names, load_families
 from tensorfold.refusals import Refusal, raise_if_any
 from tensorfold.service import Service
 from tensorfold.settings import Settings

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path

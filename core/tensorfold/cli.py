@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,8 +17,8 @@ from tensorfold.settings import DEFAULT_CONTEXT, DEFAULT_PAGE_ROWS, DEFAULT_PREF
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve hybrid LLMs that resume conversations.")
 
-FamilyOpt = Annotated[Optional[str], typer.Option("--family", help="Family name (an installed entry point).")]
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="HF-format checkpoint directory; "
+FamilyOpt = Annotated[str | None, typer.Option("--family", help="Family name (an installed entry point).")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", help="HF-format checkpoint directory; "
                                                   "without it, the family's embedded default.")]
 ContextOpt = Annotated[int, typer.Option("--context", help="Tokens per stream: prompt + reply.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
@@ -28,7 +28,7 @@ ChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="Prefill grid: ch
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at once: N, or auto (as many as fit, "
                                           "up to 8).")]
 PageRowsOpt = Annotated[int, typer.Option("--page-rows", help="Rows (tokens) per KV page.")]
-KvGibOpt = Annotated[Optional[float], typer.Option("--kv-gib", help="KV budget in GiB (default: what the device "
+KvGibOpt = Annotated[float | None, typer.Option("--kv-gib", help="KV budget in GiB (default: what the device "
                                                    "leaves after weights and a reserve).")]
 
 
@@ -67,7 +67,7 @@ def serve(
     parallel: ParallelOpt = "auto",
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
     kv_gib: KvGibOpt = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="Model id in the API (default: dir name).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: dir name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:

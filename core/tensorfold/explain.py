@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from tensorfold.boot import all_refusals, checkpoint_of, memory_plan, resolve_device, resolve_dtype
-from tensorfold.refusals import Refusal
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
+from tensorfold.refusals import Refusal
 from tensorfold.settings import Settings
 
 MIB = 2**20

@@ -129,7 +129,7 @@ def read_out(kv: KvStore, slot: int, at: int, fmt: ImageFormat) -> StateImage:
     else:
         chunks = bytearray()
         for position in range(at):
-            for part, every in zip(parts, everies):
+            for part, every in zip(parts, everies, strict=True):
                 if (position + 1) % every == 0:
                     chunks += _as_bytes(part[position // every])
         rows = bytes(chunks)
@@ -162,7 +162,7 @@ def _put_rows(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat) -> No
         return
     offset = 0
     for position in range(image.at):
-        for (i, name), spec in zip(fmt.rows, specs):
+        for (i, name), spec in zip(fmt.rows, specs, strict=True):
             if (position + 1) % spec.every:
                 continue
             entry = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=kv.device)
@@ -181,7 +181,7 @@ def _put_plain_rows(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat,
         return
     table = torch.frombuffer(bytearray(image.rows), dtype=torch.uint8).reshape(image.at, record)
     offset = 0
-    for (i, name), spec in zip(fmt.rows, specs):
+    for (i, name), spec in zip(fmt.rows, specs, strict=True):
         piece = table[:, offset: offset + spec.entry_bytes].contiguous().view(DTYPES[spec.dtype])
         kv.write_rows(i, name, slot, 0, piece.reshape(image.at, *spec.shape).to(kv.device))
         offset += spec.entry_bytes

@@ -166,7 +166,7 @@ def test_every_hook_has_a_test(hook):
 def test_every_hook_is_documented(hook):
     args = ", ".join(inspect.signature(getattr(hookspecs, hook)).parameters)
     heading = f"{hook}({args})"
-    assert re.search(rf"^#+ `?{re.escape(heading)}`?", DOCS.read_text(), re.M), (
+    assert re.search(rf"^#+ `?{re.escape(heading)}`?", DOCS.read_text(), re.MULTILINE), (
         f"docs/hooks.md lacks a heading for {heading}")
 
 

@@ -53,7 +53,8 @@ def test_plain_rows_take_the_vectorised_path_and_agree():
     kv.write_rows(0, "k", 0, 0, torch.arange(10.0).reshape(5, 2))
     kv.write_rows(0, "v", 0, 0, torch.arange(15.0).reshape(5, 3).bfloat16())
     image = read_out(kv, 0, 5, fmt)
-    first = torch.tensor([0.0, 1.0]).numpy().tobytes() + torch.tensor([0.0, 1, 2]).bfloat16().view(torch.uint8).numpy().tobytes()
+    first = torch.tensor([0.0, 1.0]).numpy().tobytes()
+    first += torch.tensor([0.0, 1, 2]).bfloat16().view(torch.uint8).numpy().tobytes()
     assert image.rows[:14] == first
     put_back(kv, 1, image, fmt)
     assert read_out(kv, 1, 5, fmt) == image

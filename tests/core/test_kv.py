@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorfold.kv import KvStore, WindowStore
+from tensorfold.kv import WindowStore
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
 
 LAYOUT = Layout([LayerLayout("mixed", rows=[RowState("k", (2, 3), "float32"), RowState("p", (4,), "float32", every=4)],

@@ -8,9 +8,12 @@ from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
 
 
 def hybrid() -> Layout:
-    linear = LayerLayout("gdn", fixed=[FixedState("conv", (96, 3), "bfloat16"), FixedState("state", (4, 8, 8), "float32")])
-    attention = LayerLayout("attention", rows=[RowState("k", (2, 16), "bfloat16"), RowState("v", (2, 16), "bfloat16")])
-    indexed = LayerLayout("mla", rows=[RowState("latent", (512,), "bfloat16"), RowState("pooled", (128,), "bfloat16", every=16)])
+    linear = LayerLayout("gdn", fixed=[FixedState("conv", (96, 3), "bfloat16"),
+                                       FixedState("state", (4, 8, 8), "float32")])
+    attention = LayerLayout("attention", rows=[RowState("k", (2, 16), "bfloat16"),
+                                               RowState("v", (2, 16), "bfloat16")])
+    indexed = LayerLayout("mla", rows=[RowState("latent", (512,), "bfloat16"),
+                                       RowState("pooled", (128,), "bfloat16", every=16)])
     return Layout([linear, linear, linear, attention, indexed])
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
 from tensorfold.memory_plan import GIB, page_bytes, plan_memory
 
-LAYOUT = Layout([LayerLayout("attention", rows=[RowState("k", (2, 64), "bfloat16"), RowState("v", (2, 64), "bfloat16")]),
+LAYOUT = Layout([LayerLayout("attention", rows=[RowState("k", (2, 64), "bfloat16"),
+                                                RowState("v", (2, 64), "bfloat16")]),
                  LayerLayout("gdn", fixed=[FixedState("state", (4, 64, 64), "float32")])])
 PER_TOKEN = 2 * 2 * 64 * 2
 FIXED = 4 * 64 * 64 * 4

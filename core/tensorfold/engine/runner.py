@@ -117,7 +117,7 @@ class Engine:
                 self._fail(stream, f"the engine failed this request: {type(err).__name__}: {err}")
             return
         row = 0
-        for stream, share in zip(streams, plan.streams):
+        for stream, share in zip(streams, plan.streams, strict=True):
             stream.position = share.end
             if share.sample:
                 self._sampled(stream, logits[row])

@@ -9,8 +9,18 @@ import attrs
 
 from tensorfold.engine.api import Sampling
 from tensorfold.server.errors import bad_request
-from tensorfold.server.fields import (SEED_MAX, SEED_MIN, json_type, read_bool, read_float, read_int, read_object,
-                                      read_stop, read_str, read_token_ids)
+from tensorfold.server.fields import (
+    SEED_MAX,
+    SEED_MIN,
+    json_type,
+    read_bool,
+    read_float,
+    read_int,
+    read_object,
+    read_stop,
+    read_str,
+    read_token_ids,
+)
 from tensorfold.server.messages import read_messages, read_template_kwargs, render
 from tensorfold.service import Service
 

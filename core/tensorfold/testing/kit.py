@@ -7,6 +7,7 @@ absolute grid, memory through a KvStore (poisoned, so a read of an unwritten row
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def decode(subject: Subject, kv: KvStore, slot: int, logits: torch.Tensor, posit
 
 def _pieces(start: int, end: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
     points = [start] + [c for c in sorted(cuts) if start < c < end] + [end]
-    return list(zip(points, points[1:]))
+    return list(itertools.pairwise(points))
 
 
 def check_declarations(family: Family, directory: Path, dtype: torch.dtype = torch.float32) -> Declarations:
@@ -118,7 +119,7 @@ def check_resume_bitwise(subject: Subject, tokens: Sequence[int], at: int, chunk
         runs.append(decode(subject, kv, slot, logits, len(tokens), steps))
     (fresh_tokens, fresh_logits), (resumed_tokens, resumed_logits) = runs
     assert resumed_tokens == fresh_tokens, f"resumed tokens {resumed_tokens} != fresh {fresh_tokens}"
-    for step, (a, b) in enumerate(zip(fresh_logits, resumed_logits)):
+    for step, (a, b) in enumerate(zip(fresh_logits, resumed_logits, strict=True)):
         assert torch.equal(a, b), f"step {step}: resumed logits differ from fresh by {(a - b).abs().max():.3e}"
     layout = subject.declarations.layout
     assert len(kept.own) + len(kept.rows) == layout.stream_bytes(at), (
@@ -135,7 +136,7 @@ def check_chunked(subject: Subject, tokens: Sequence[int], cuts: Sequence[int], 
     cut = prefill(subject, kv, 1, tokens, 0, len(tokens), cuts)
     one_tokens, one_logits = decode(subject, kv, 0, one, len(tokens), steps)
     cut_tokens, cut_logits = decode(subject, kv, 1, cut, len(tokens), steps)
-    worst = max(float((a - b).abs().max()) for a, b in zip(one_logits, cut_logits))
+    worst = max(float((a - b).abs().max()) for a, b in zip(one_logits, cut_logits, strict=True))
     assert torch.isfinite(one).all(), "one-shot logits are not finite"
     assert worst <= tolerance, f"chunked vs one-shot differ by {worst:.3e} > {tolerance:.1e}"
     assert cut_tokens == one_tokens, f"chunked tokens {cut_tokens} != one-shot {one_tokens}"
@@ -151,7 +152,7 @@ def check_paged(subject: Subject, tokens: Sequence[int], page_rows: int, chunk: 
         runs.append(decode(subject, store, 0, logits, len(tokens), steps))
     (window_tokens, window_logits), (paged_tokens, paged_logits) = runs
     assert paged_tokens == window_tokens, f"paged tokens {paged_tokens} != window {window_tokens}"
-    for step, (a, b) in enumerate(zip(window_logits, paged_logits)):
+    for step, (a, b) in enumerate(zip(window_logits, paged_logits, strict=True)):
         assert torch.equal(a, b), f"step {step}: paged logits differ from window by {(a - b).abs().max():.3e}"
 
 

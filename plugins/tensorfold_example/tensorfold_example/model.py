@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from tensorfold.kv import KvStore
 from tensorfold.plan import StepPlan, StreamStep
 
-
 # ---------------------------------------------------------------- the config record
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:

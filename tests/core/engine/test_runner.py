@@ -7,8 +7,8 @@ import queue
 import pytest
 
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, Sampling, TokenEvent
-from tensorfold.engine.runner import Engine
 from tensorfold.engine.memory import StreamMemory
+from tensorfold.engine.runner import Engine
 from tensorfold.kv import PagedStore
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
@@ -137,7 +137,9 @@ def test_a_prompt_over_the_context_is_an_error_event(subject):
 
 def test_the_waiting_queue_is_bounded(subject):
     engine = Engine(subject.model, memory_for(subject, 64), prefill_chunk=16, context=64, max_waiting=2)
-    noop = lambda event: None  # noqa: E731
+    def noop(event):
+        return None
+
     engine.submit(Request("a", PROMPT, Sampling(), noop))
     engine.submit(Request("b", PROMPT, Sampling(), noop))
     with pytest.raises(QueueFull, match="2 requests are already waiting"):

@@ -1,0 +1,191 @@
+"""HF checkpoint names -> the Qwen3.5 model's weights; every name is checked before a tensor is read.
+
+Text-only checkpoints (`qwen3_5_text`, `qwen3_5_moe_text`) name the language model `model.layers.*`; the VL
+container (`qwen3_5`, `qwen3_5_moe`, what Qwen publishes) nests it as `model.language_model.*` and adds a vision
+tower `model.visual.*` and a multi-token-prediction head `mtp.*`. Both spellings are accepted; the vision tower and
+the MTP head are skipped with one log line saying how many tensors that was. This file is the only place that
+knows these names.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold_qwen.attention import AttentionWeights
+from tensorfold_qwen.config import FULL, QwenConfig
+from tensorfold_qwen.gdn import GdnWeights
+from tensorfold_qwen.mlp import MlpWeights, MoeWeights
+from tensorfold_qwen.model import LayerWeights, QwenModel, Weights
+
+log = logging.getLogger(__name__)
+
+NESTED = "model.language_model."
+SKIPPED = ("model.visual.", "mtp.")          # the vision tower and the MTP head: not part of the text model
+
+
+def attention_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """An attention layer's tensors, under `model.layers.{i}.`."""
+    E, H, KV, D = c.hidden_size, c.heads, c.kv_heads, c.head_dim
+    return {
+        "self_attn.q_proj.weight": (H * 2 * D, E),
+        "self_attn.k_proj.weight": (KV * D, E),
+        "self_attn.v_proj.weight": (KV * D, E),
+        "self_attn.o_proj.weight": (E, H * D),
+        "self_attn.q_norm.weight": (D,),
+        "self_attn.k_norm.weight": (D,),
+    }
+
+
+def gdn_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors, under `model.layers.{i}.`."""
+    E, NV, DV = c.hidden_size, c.v_heads, c.v_dim
+    return {
+        "linear_attn.in_proj_qkv.weight": (c.conv_dim, E),
+        "linear_attn.in_proj_z.weight": (NV * DV, E),
+        "linear_attn.in_proj_b.weight": (NV, E),
+        "linear_attn.in_proj_a.weight": (NV, E),
+        "linear_attn.conv1d.weight": (c.conv_dim, 1, c.conv_kernel),
+        "linear_attn.A_log": (NV,),
+        "linear_attn.dt_bias": (NV,),
+        "linear_attn.norm.weight": (DV,),
+        "linear_attn.out_proj.weight": (E, NV * DV),
+    }
+
+
+def mlp_shapes(c: QwenConfig, prefix: str, inner: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's tensors under `prefix`."""
+    E = c.hidden_size
+    return {f"{prefix}gate_proj.weight": (inner, E), f"{prefix}up_proj.weight": (inner, E),
+            f"{prefix}down_proj.weight": (E, inner)}
+
+
+def ffn_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """A layer's feed-forward tensors: the dense MLP, or the router, experts, shared expert and its gate."""
+    if not c.moe:
+        return mlp_shapes(c, "mlp.", c.intermediate_size)
+    shapes = {"mlp.gate.weight": (c.experts, c.hidden_size), "mlp.shared_expert_gate.weight": (1, c.hidden_size)}
+    shapes.update(mlp_shapes(c, "mlp.shared_expert.", c.shared_intermediate_size))
+    for e in range(c.experts):
+        shapes.update(mlp_shapes(c, f"mlp.experts.{e}.", c.moe_intermediate_size))
+    return shapes
+
+
+def expected_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold (plain `model.` spelling) and its shape."""
+    E = c.hidden_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, E), "model.norm.weight": (E,)}
+    for i, kind in enumerate(c.layer_types):
+        layer = {"input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,)}
+        layer.update(attention_shapes(c) if kind == FULL else gdn_shapes(c))
+        layer.update(ffn_shapes(c))
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, E)
+    return shapes
+
+
+def canonical(name: str) -> str:
+    """A checkpoint name in the plain spelling: `model.language_model.x` -> `model.x`."""
+    return "model." + name[len(NESTED):] if name.startswith(NESTED) else name
+
+
+def skipped(name: str, config: QwenConfig) -> bool:
+    """Tensors that are in the checkpoint but not the text model: vision, MTP, a tied lm_head."""
+    return name.startswith(SKIPPED) or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def check_names(names: list[str], config: QwenConfig) -> int:
+    """Raise ValueError naming every missing, unexpected or doubled tensor; return how many are skipped."""
+    shapes = expected_shapes(config)
+    seen: dict[str, str] = {}
+    unexpected, doubled, skips = [], [], 0
+    for name in names:
+        key = canonical(name)
+        if skipped(key, config):
+            skips += 1
+        elif key not in shapes:
+            unexpected.append(name)
+        elif key in seen:
+            doubled.append(f"{seen[key]} and {name}")
+        else:
+            seen[key] = name
+    missing = [name for name in shapes if name not in seen]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors (not part of a {config.model_type} with this config): "
+                        f"{', '.join(unexpected)}")
+    if doubled:
+        problems.append(f"tensors given twice: {'; '.join(doubled)}")
+    if problems:
+        raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
+    return skips
+
+
+def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> QwenModel:
+    """Read every weight once, shard by shard, into `dtype` on `device`, and build the model."""
+    config = QwenConfig.from_dict(checkpoint.config)
+    skips = check_names(checkpoint.names(), config)
+    if skips:
+        log.info("skipped %d tensors the text model does not use (vision tower model.visual.*, MTP head mtp.*, "
+                 "tied lm_head)", skips)
+    shapes = expected_shapes(config)
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in checkpoint.tensors(progress=progress):
+        key = canonical(name)
+        if key not in shapes or key in found:
+            continue  # skipped (vision, MTP, tied lm_head); check_names has refused everything else
+        if tuple(tensor.shape) != shapes[key]:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[key]}")
+        found[key] = tensor.to(device=device, dtype=dtype).contiguous()
+    return QwenModel(config, build_weights(config, found))
+
+
+def build_weights(config: QwenConfig, found: dict[str, torch.Tensor]) -> Weights:
+    """Arrange tensors named as in `expected_shapes` into the model's records (each taken out of `found` as it
+    is used, so stacking the experts holds at most one layer's experts twice)."""
+    layers = []
+    for i, kind in enumerate(config.layer_types):
+        def get(name: str, i: int = i) -> torch.Tensor:
+            return found.pop(f"model.layers.{i}.{name}")
+
+        mixer = attention_weights(get) if kind == FULL else gdn_weights(get)
+        layers.append(LayerWeights(input_norm=get("input_layernorm.weight"), mixer=mixer,
+                                   post_norm=get("post_attention_layernorm.weight"), ffn=ffn_weights(config, get)))
+    embed = found["model.embed_tokens.weight"]
+    lm_head = embed if config.tie_word_embeddings else found["lm_head.weight"]
+    return Weights(embed=embed, layers=tuple(layers), norm=found["model.norm.weight"], lm_head=lm_head)
+
+
+def attention_weights(get) -> AttentionWeights:
+    return AttentionWeights(**{field: get(f"self_attn.{field}.weight")
+                               for field in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")})
+
+
+def gdn_weights(get) -> GdnWeights:
+    return GdnWeights(
+        in_proj_qkv=get("linear_attn.in_proj_qkv.weight"), in_proj_z=get("linear_attn.in_proj_z.weight"),
+        in_proj_b=get("linear_attn.in_proj_b.weight"), in_proj_a=get("linear_attn.in_proj_a.weight"),
+        conv=get("linear_attn.conv1d.weight").squeeze(1).contiguous(), A_log=get("linear_attn.A_log"),
+        dt_bias=get("linear_attn.dt_bias"), norm=get("linear_attn.norm.weight"),
+        out_proj=get("linear_attn.out_proj.weight"))
+
+
+def mlp_weights(get, prefix: str) -> MlpWeights:
+    return MlpWeights(*(get(f"{prefix}{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")))
+
+
+def ffn_weights(config: QwenConfig, get) -> MlpWeights | MoeWeights:
+    if not config.moe:
+        return mlp_weights(get, "mlp.")
+    experts = [mlp_weights(get, f"mlp.experts.{e}.") for e in range(config.experts)]
+    return MoeWeights(router=get("mlp.gate.weight"),
+                      gate_proj=torch.stack([e.gate_proj for e in experts]),
+                      up_proj=torch.stack([e.up_proj for e in experts]),
+                      down_proj=torch.stack([e.down_proj for e in experts]),
+                      shared=mlp_weights(get, "mlp.shared_expert."),
+                      shared_gate=get("mlp.shared_expert_gate.weight"), top_k=config.top_k)
