@@ -94,3 +94,16 @@ def test_page_rows_must_hold_whole_pools():
 
     with pytest.raises(ValueError, match="--page-rows 6 is not a multiple of row state 'p'"):
         PagedStore(LAYOUT, slots=1, pages=2, page_rows=6)
+
+
+def test_kernel_views_expose_pages_tables_and_slot_states():
+    from tensorfold.kv import PagedStore
+
+    paged = PagedStore(LAYOUT, slots=3, pages=6, page_rows=4)
+    paged.bind(0, [5, 1])
+    paged.bind(2, [3])
+    assert paged.tables([0, 2]).tolist() == [[5, 1], [3, 0]] and paged.tables([0]).dtype == torch.int32
+    assert paged.row_pages(0, "k").shape == (6, 4, 2, 3) and paged.row_pages(0, "p").shape == (6, 1, 4)
+    assert paged.fixed_states(0, "s").shape == (3, 2, 2)
+    window = WindowStore(LAYOUT, slots=2, capacity=8)
+    assert window.tables([1, 0]).tolist() == [[1], [0]] and window.row_pages(0, "k").shape == (2, 8, 2, 3)

@@ -37,6 +37,18 @@ class KvStore:
         """A fixed state of one slot, as a view the family updates in place."""
         return self._fixed[layer][name][slot]
 
+    def fixed_states(self, layer: int, name: str) -> torch.Tensor:
+        """Every slot's fixed state [slots, *shape], for kernels that index it by slot."""
+        return self._fixed[layer][name]
+
+    def row_pages(self, layer: int, name: str) -> torch.Tensor:
+        """A row state's storage as pages [pages, entries per page, *shape], for kernels that read through tables."""
+        raise NotImplementedError
+
+    def tables(self, slots: list[int]) -> torch.Tensor:
+        """The slots' page tables, padded with 0 to one width: int32 [len(slots), width]."""
+        raise NotImplementedError
+
     def clear(self, slot: int) -> None:
         """Ready a slot for a new stream: its fixed states zeroed."""
         for layer in self._fixed:

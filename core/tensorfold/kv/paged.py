@@ -46,6 +46,19 @@ class PagedStore(KvStore):
         """Set the slot's page table (its pages in row order)."""
         self._tables[slot] = torch.tensor(table, dtype=torch.long, device=self.device)
 
+    def row_pages(self, layer: int, name: str) -> torch.Tensor:
+        """The pages of one row state: [pages, page_rows / every, *shape]."""
+        return self._pages[layer][name]
+
+    def tables(self, slots: list[int]) -> torch.Tensor:
+        """The slots' page tables, padded with 0: int32 [len(slots), widest]."""
+        width = max((self._tables[s].numel() for s in slots), default=0)
+        out = torch.zeros((len(slots), max(width, 1)), dtype=torch.int32, device=self.device)
+        for i, slot in enumerate(slots):
+            table = self._tables[slot]
+            out[i, : table.numel()] = table
+        return out
+
     def fill(self, pages: list[int]) -> None:
         """Poison freshly handed-out pages with NaN (TF_KV_POISON), so a read of an unwritten row shows."""
         if not pages:

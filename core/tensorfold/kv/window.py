@@ -41,6 +41,14 @@ class WindowStore(KvStore):
                              f"of {state.shape[1]}")
         state[slot, first: first + values.shape[0]] = values
 
+    def row_pages(self, layer: int, name: str) -> torch.Tensor:
+        """Each slot's window is one page: [slots, capacity entries, *shape]."""
+        return self._rows[layer][name]
+
+    def tables(self, slots: list[int]) -> torch.Tensor:
+        """Slot s reads page s."""
+        return torch.tensor(slots, dtype=torch.int32, device=self.device).view(-1, 1)
+
     def clear(self, slot: int) -> None:
         """Fixed states zeroed; with poison on, the window filled with NaN so a stale read shows."""
         super().clear(slot)

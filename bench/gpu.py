@@ -1,0 +1,229 @@
+"""The GPU benchmark: our engine's forward and HF transformers on the same random weights at real shapes, in one
+process, against the machine's measured limits (copy bandwidth, bf16 GEMM peak).
+
+Prints one JSON line per measurement (and appends them to --out/gpu.jsonl):
+    hardware   copy GB/s, bf16 TFLOP/s
+    decode     tok/s at each batch, ours and HF; batch 1 as a fraction of the HBM limit
+    prefill    tok/s and MFU at each length, ours and HF
+    memory     peak GPU bytes; KV/state bytes per token against the Layout's figure
+
+    python bench/gpu.py --shape qwen3_5-9b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tensorfold.kv import PagedStore
+from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.plugins import load_families
+
+DEVICE = "cuda"
+
+SHAPES = {
+    # name: (family, HF config class, HF model class, overrides)
+    "qwen3_5-9b": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                     {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "head_dim": 32, "intermediate_size": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                      "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_size": 1024}),
+}
+
+
+class TensorsCheckpoint:
+    """The loader's view of a checkpoint, over tensors already in memory (HF's state dict), so both engines
+    share one set of weights without writing 18 GB to disk."""
+
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self._tensors = tensors
+
+    def names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def tensors(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._tensors.items()
+
+
+def emit(out: Path | None, **record: object) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        with open(out / "gpu.jsonl", "a") as handle:
+            handle.write(line + "\n")
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Best wall time of `fn` over repeats, synchronised."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def hardware(out: Path | None) -> tuple[float, float]:
+    """Measured device-to-device copy bandwidth (bytes read + written per second) and bf16 GEMM FLOP/s."""
+    size = 2 * 2**30 if DEVICE == "cuda" else 2**26
+    src = torch.empty(size, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), repeats=10)
+    bandwidth = 2 * src.numel() / seconds
+    n = 8192 if DEVICE == "cuda" else 1024
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
+    seconds = timed(lambda: a @ b, repeats=10)
+    flops = 2 * n**3 / seconds
+    del src, dst, a, b
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    emit(out, bench="hardware", device=name, copy_gb_s=round(bandwidth / 1e9, 1),
+         bf16_tflops=round(flops / 1e12, 1))
+    return bandwidth, flops
+
+
+def build(shape: str, dtype: torch.dtype):
+    """HF's model with random weights on the GPU, and ours loaded from the same tensors."""
+    import transformers
+
+    family_name, config_class, model_class, overrides = SHAPES[shape]
+    config = getattr(transformers, config_class)(**overrides)
+    with torch.device(DEVICE):
+        hf = getattr(transformers, model_class)(config).to(dtype).eval()
+    family = load_families([family_name])[family_name]
+    config_dict = config.to_dict()
+    checkpoint = TensorsCheckpoint(config_dict, dict(hf.state_dict()))
+    ours = family.load(checkpoint, dtype, torch.device(DEVICE))
+    layout = family.declare(config_dict, dtype).layout
+    params = sum(p.numel() for p in hf.parameters())
+    return hf, ours, layout, params, config
+
+
+def our_store(layout, streams: int, rows: int, page_rows: int = 256) -> PagedStore:
+    per = -(-rows // page_rows)
+    store = PagedStore(layout, streams, streams * per, page_rows, DEVICE)
+    for slot in range(streams):
+        store.bind(slot, list(range(slot * per, (slot + 1) * per)))
+    return store
+
+
+def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int) -> float:
+    """Seconds per decode step for `batch` streams after a `prompt`-row prefill each."""
+    store = our_store(layout, batch, prompt + steps + 1)
+    tokens = torch.randint(0, ours.vocab_size, (batch, prompt)).tolist()
+    for slot in range(batch):
+        for a in range(0, prompt, chunk):
+            ours.forward(StepPlan((StreamStep(slot, a, tokens[slot][a: a + chunk]),)), store)
+
+    def step(position=[prompt]) -> None:
+        plan = StepPlan(tuple(StreamStep(s, position[0], (7,)) for s in range(batch)))
+        ours.forward(plan, store)
+        position[0] += 1
+
+    step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def hf_decode(hf, batch: int, prompt: int, steps: int) -> float:
+    ids = torch.randint(0, hf.config.vocab_size, (batch, prompt), device=DEVICE)
+    out = hf(ids, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "past_key_values", None) or out.cache
+    token = out.logits[:, -1:].argmax(-1)
+    token = hf(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = hf(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def our_prefill(ours, layout, rows: int, chunk: int) -> float:
+    tokens = torch.randint(0, ours.vocab_size, (rows,)).tolist()
+
+    def run() -> None:
+        store = our_store(layout, 1, rows + 1)
+        for a in range(0, rows, chunk):
+            ours.forward(StepPlan((StreamStep(0, a, tokens[a: a + chunk], sample=a + chunk >= rows),)), store)
+
+    return timed(run, repeats=2)
+
+
+def hf_prefill(hf, rows: int) -> float:
+    ids = torch.randint(0, hf.config.vocab_size, (1, rows), device=DEVICE)
+    return timed(lambda: hf(ids, use_cache=True, logits_to_keep=1), repeats=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="GPU benchmark: ours vs HF at real shapes")
+    parser.add_argument("--shape", default="qwen3_5-9b", choices=sorted(SHAPES))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--prefill", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    torch.manual_seed(0)
+    bandwidth, peak = hardware(args.out)
+    hf, ours, layout, params, config = build(args.shape, torch.bfloat16)
+    weights = params * 2
+    emit(args.out, bench="model", shape=args.shape, params=params, weights_bytes=weights,
+         layout_bytes_per_token=layout.bytes_per_token, layout_fixed_bytes=layout.fixed_bytes)
+    with torch.inference_mode():
+        for batch in args.batches:
+            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk)
+            hf_s = None if args.no_hf else hf_decode(hf, batch, args.prompt, args.steps)
+            record = {"bench": "decode", "shape": args.shape, "batch": batch, "ours_tok_s": round(batch / ours_s, 1),
+                      "hf_tok_s": None if hf_s is None else round(batch / hf_s, 1)}
+            if hf_s is not None:
+                record["speedup"] = round(hf_s / ours_s, 2)
+            if batch == 1:
+                moved = weights + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
+                record["hbm_limit_fraction"] = round(moved / bandwidth / ours_s, 3)
+            emit(args.out, **record)
+        for rows in args.prefill:
+            ours_s = our_prefill(ours, layout, rows, args.chunk)
+            hf_s = None if args.no_hf else hf_prefill(hf, rows)
+            flops = 2 * params * rows
+            record = {"bench": "prefill", "shape": args.shape, "rows": rows, "ours_tok_s": round(rows / ours_s, 1),
+                      "ours_mfu": round(flops / ours_s / peak, 3)}
+            if hf_s is not None:
+                record |= {"hf_tok_s": round(rows / hf_s, 1), "hf_mfu": round(flops / hf_s / peak, 3),
+                           "speedup": round(hf_s / ours_s, 2)}
+            emit(args.out, **record)
+    store = our_store(layout, 1, 4096)
+    measured = store.page_bytes / store.page_rows
+    peak_bytes = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else None
+    emit(args.out, bench="memory", shape=args.shape, peak_gpu_bytes=peak_bytes,
+         kv_bytes_per_token_measured=measured, kv_bytes_per_token_layout=layout.bytes_per_token,
+         fixed_bytes_per_stream=store.fixed_nbytes)
+
+
+if __name__ == "__main__":
+    main()
