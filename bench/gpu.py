@@ -91,7 +91,6 @@ def hardware(out: Path | None) -> tuple[float, float]:
     b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
     seconds = timed(lambda: a @ b, repeats=10)
     flops = 2 * n**3 / seconds
-    del src, dst, a, b
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     emit(out, bench="hardware", device=name, copy_gb_s=round(bandwidth / 1e9, 1),
          bf16_tflops=round(flops / 1e12, 1))
@@ -131,7 +130,9 @@ def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int) ->
         for a in range(0, prompt, chunk):
             ours.forward(StepPlan((StreamStep(slot, a, tokens[slot][a: a + chunk]),)), store)
 
-    def step(position=[prompt]) -> None:
+    position = [prompt]
+
+    def step() -> None:
         plan = StepPlan(tuple(StreamStep(s, position[0], (7,)) for s in range(batch)))
         ours.forward(plan, store)
         position[0] += 1

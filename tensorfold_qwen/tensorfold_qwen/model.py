@@ -63,7 +63,14 @@ class QwenModel:
 
     @torch.no_grad()
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
-        """Run one step; float32 logits [plan.sampled, V]: the last row of each stream that samples, in order."""
+        """Run one step; float32 logits [plan.sampled, V]: the last row of each stream that samples, in order.
+
+        On CUDA every stream's rows go through each layer together (batched.py); on the CPU each stream runs
+        alone, the reference."""
+        if self.device.type == "cuda":
+            from tensorfold_qwen.batched import batched_forward
+
+            return batched_forward(self, plan, kv)
         picked = []
         for step in plan.streams:
             x = self.hidden(step, kv)                                          # [T, E]

@@ -1,0 +1,193 @@
+"""The gated delta rule (Gated DeltaNet's mixer): chunked prefill over packed streams and the in-place decode step.
+
+    chunk_gated_delta(q, k, v, g, beta, initial_state=None, start=0, *, cu_seqlens=None, starts=None,
+                      scale=1.0, qk_l2norm=False, backend=None)
+        -> (out [T, NV, DV], final_state [NV, DK, DV] float32)          one stream's prefill chunk
+        -> (out [T, NV, DV], final_states [N, NV, DK, DV] float32)      N streams packed (cu_seqlens)
+    recurrent_gated_delta_step(q, k, v, g, beta, states, slots, *, scale=1.0, qk_l2norm=False, backend=None)
+        -> out [B, NV, DV]                                               states[slots] updated in place
+
+Shapes and conventions are the naive module's: q, k as tensorfold_qwen.gdn prepares them (l2-normalised, q
+scaled) unless qk_l2norm / scale say otherwise; NK key heads with NV % NK == 0 (NK = NV: already repeated);
+g natural-log decay, float32; beta after the sigmoid; float32 states [.., NV, DK, DV], key-major. Which
+implementation runs:
+
+    backend   prefill (chunked)                         decode step
+    naive     naive.py (any device; the CPU path)       naive.py
+    triton    naive.py                                  triton_recurrent.py (ours, in place)
+    fla       fla_backend.py (fla-core)                 fla_backend.py (gather, fla, scatter)
+
+`backend=None` picks by device: CPU -> naive; CUDA -> fla when fla-core imports, else triton (decode) and naive
+(prefill). docs/kernels.md records why and what was measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from tensorfold.kernels.backend import triton_installed
+from tensorfold.kernels.gated_delta import fla_backend, naive
+
+__all__ = ["BACKENDS", "chunk_backend", "chunk_gated_delta", "recurrent_gated_delta_step", "step_backend"]
+
+BACKENDS = ("naive", "triton", "fla")
+MAX_HEAD_DIM = 256              # fla's chunked kernels stop there; ours keep a [DK, 32] state block per program
+logger = logging.getLogger(__name__)
+
+
+def chunk_backend(device: torch.device | str) -> str:
+    """The prefill implementation `backend=None` picks on this device."""
+    return "fla" if torch.device(device).type == "cuda" and fla_backend.available() else "naive"
+
+
+def step_backend(device: torch.device | str) -> str:
+    """The decode-step implementation `backend=None` picks on this device."""
+    if torch.device(device).type != "cuda":
+        return "naive"
+    if fla_backend.available():
+        return "fla"
+    return "triton" if triton_installed() else "naive"
+
+
+@functools.cache
+def _announce(op: str, device: str, backend: str) -> None:
+    logger.info("gated delta %s on %s: %s", op, device, backend)
+
+
+def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: torch.Tensor | None = None, start: int = 0, *,
+                      cu_seqlens: Sequence[int] | None = None, starts: Sequence[int] | None = None,
+                      scale: float = 1.0, qk_l2norm: bool = False,
+                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked delta rule over one stream's rows (a prefill chunk), or N streams' rows packed end to end.
+
+    q, k [T, NK, DK]; v [T, NV, DV] (q, k, v one dtype); g [T, NV] float32; beta [T, NV].
+    One stream (cu_seqlens None): initial_state [NV, DK, DV] float32 or None (zeros); `start` the absolute
+    position of its first row. Returns out [T, NV, DV] in v's dtype and the final state [NV, DK, DV] float32.
+    N streams: cu_seqlens N+1 nondecreasing row offsets from 0 to T, as host ints; initial_state
+    [N, NV, DK, DV] or None; starts N absolute positions (None: all 0). Returns out [T, NV, DV] and the final
+    states [N, NV, DK, DV].
+    The naive version chunks on the absolute grid of 64 (from the start positions); fla chunks from each
+    stream's first row (docs/kernels.md).
+    """
+    T, NK, DK, NV, DV = _check_rows(q, k, v, g, beta)
+    if cu_seqlens is None:
+        if starts is not None:
+            raise ValueError("starts goes with cu_seqlens; one stream takes `start`")
+        if int(start) < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if initial_state is not None:
+            _check_state(initial_state, (NV, DK, DV), q.device, "initial_state")
+    else:
+        if start:
+            raise ValueError("with cu_seqlens, give each stream's start in `starts`")
+        bounds = _host_ints(cu_seqlens, "cu_seqlens")
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(
+                b < a for a, b in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={T} (at least one stream), got {bounds}")
+        streams = len(bounds) - 1
+        if starts is not None:
+            starts = _host_ints(starts, "starts")
+            if len(starts) != streams or min(starts) < 0:
+                raise ValueError(f"starts must give {streams} positions >= 0, got {starts}")
+        if initial_state is not None:
+            _check_state(initial_state, (streams, NV, DK, DV), q.device, "initial_state")
+        cu_seqlens = bounds
+    chosen = backend or chunk_backend(q.device)
+    _announce("chunk", q.device.type, chosen)
+    if chosen == "fla":
+        return fla_backend.chunk_gated_delta(q, k, v, g, beta, initial_state, start, cu_seqlens=cu_seqlens,
+                                             starts=starts, scale=scale, qk_l2norm=qk_l2norm)
+    if chosen in ("naive", "triton"):
+        return naive.chunk_gated_delta(q, k, v, g, beta, initial_state, start, cu_seqlens=cu_seqlens,
+                                       starts=starts, scale=scale, qk_l2norm=qk_l2norm)
+    raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+
+
+def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | Sequence[int], *,
+                               scale: float = 1.0, qk_l2norm: bool = False,
+                               backend: str | None = None) -> torch.Tensor:
+    """One token for each of B streams; their states live in `slots` of the pool `states` and are updated in
+    place (the other slots are untouched).
+
+    q, k [B, NK, DK]; v [B, NV, DV]; g [B, NV] float32; beta [B, NV]; states [S, NV, DK, DV] float32,
+    contiguous; slots [B] distinct (int tensor on the states' device, or host ints). Returns out [B, NV, DV] in v's
+    dtype. Distinctness is checked only for host slots (a device check would sync).
+    """
+    B, NK, DK, NV, DV = _check_rows(q, k, v, g, beta)
+    _check_state(states, (None, NV, DK, DV), q.device, "states")
+    if not states.is_contiguous():
+        raise ValueError("states must be contiguous")
+    if isinstance(slots, torch.Tensor):
+        if slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be an int tensor [{B}], got {slots.dtype} {tuple(slots.shape)}")
+        if slots.device != states.device:
+            raise ValueError(f"slots on {slots.device}, states on {states.device}")
+        host = slots.tolist() if slots.device.type == "cpu" else None
+    else:
+        host = _host_ints(slots, "slots")
+        if len(host) != B:
+            raise ValueError(f"slots must give {B} slots, got {len(host)}")
+    if host is not None and (len(set(host)) != len(host) or any(not 0 <= s < states.shape[0] for s in host)):
+        raise ValueError(f"slots must be distinct and in [0, {states.shape[0]}), got {host}")
+    chosen = backend or step_backend(q.device)
+    _announce("step", q.device.type, chosen)
+    if chosen == "naive":
+        return naive.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale, qk_l2norm=qk_l2norm)
+    if chosen == "triton":
+        from tensorfold.kernels.gated_delta import triton_recurrent
+        return triton_recurrent.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale,
+                                                           qk_l2norm=qk_l2norm)
+    if chosen == "fla":
+        return fla_backend.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale,
+                                                      qk_l2norm=qk_l2norm)
+    raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+
+
+def _check_rows(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
+    """Shapes, dtypes and devices of the per-row inputs; returns (rows, NK, DK, NV, DV)."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [rows, NK, DK] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    rows, heads_k, k_dim = q.shape
+    if v.dim() != 3 or v.shape[0] != rows:
+        raise ValueError(f"v must be [{rows}, NV, DV], got {tuple(v.shape)}")
+    heads_v, v_dim = v.shape[1], v.shape[2]
+    if heads_k == 0 or heads_v % heads_k:
+        raise ValueError(f"value heads ({heads_v}) must be a multiple of key heads ({heads_k})")
+    if max(k_dim, v_dim) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM}, got DK={k_dim}, DV={v_dim}")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (rows, heads_v):
+            raise ValueError(f"{name} must be [{rows}, {heads_v}], got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g (log decay) must be float32, got {g.dtype}")
+    if not beta.dtype.is_floating_point:
+        raise ValueError(f"beta must be floating point, got {beta.dtype}")
+    if len({t.device for t in (q, k, v, g, beta)}) != 1:
+        raise ValueError("q, k, v, g, beta must be on one device")
+    return rows, heads_k, k_dim, heads_v, v_dim
+
+
+def _check_state(state: torch.Tensor, shape: tuple, device: torch.device, name: str) -> None:
+    if state.dim() != len(shape) or any(want is not None and got != want
+                                        for got, want in zip(state.shape, shape, strict=True)):
+        raise ValueError(f"{name} must be {['*' if s is None else s for s in shape]}, got {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {state.dtype}")
+    if state.device != device:
+        raise ValueError(f"{name} on {state.device}, inputs on {device}")
+
+
+def _host_ints(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host (a device tensor would sync)")
+        values = values.tolist()
+    return [int(x) for x in values]

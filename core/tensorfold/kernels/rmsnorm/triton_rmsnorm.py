@@ -1,0 +1,112 @@
+"""Triton RMSNorm (plain / zero-centred, optionally fused with the residual add) and the gated GDN norm.
+
+Each program normalises BLOCK_N rows held whole in registers (D <= 65536). Float32 math in the reference's order;
+1/sqrt is IEEE-rounded (div_rn, sqrt_rn) like torch.rsqrt on the CPU. bfloat16 rounding is done on the bits
+(nearest even), because triton's interpreter truncates on `.to(tl.bfloat16)`; on the GPU it equals cvt.rn.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(v, ty: tl.constexpr):
+    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
+    if ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stride_r, stride_o, stride_s, eps,
+                     ZERO_CENTRED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = (x·rstd)·(1 + w | w); with a residual, x <- round(x + r) first and written to sum_ptr."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
+    cols = tl.arange(0, BLOCK_D)                                                   # [BD]
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    ty = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, ty)
+        tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))           # [BN]
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        w = 1.0 + w
+    out = (x * rstd[:, None]) * w[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _round(out, ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_z, stride_o, eps,
+                           ROUND_WN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = round(round_wn(w · round(x·rstd)) · silu(z)), rows of D (every head of every token)."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    ty = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
+    normed = _round(x * rstd[:, None], ty)                                         # x̂ in x's dtype
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    wn = w[None, :] * normed
+    if ROUND_WN:                                                                   # w · x̂ is in x's dtype
+        wn = _round(wn, ty)
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = wn * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _round(out, ty), mask=mask)
+
+
+def _blocks(N: int, D: int) -> tuple[int, int, int, tuple[int]]:
+    """BLOCK_N, BLOCK_D, num_warps and grid: whole rows, about 2k-4k elements per program."""
+    block_d = triton.next_power_of_2(D)
+    block_n = max(1, min(64, 2048 // block_d))
+    tile = block_n * block_d
+    num_warps = 4 if tile <= 8192 else 8 if tile <= 16384 else 16      # 4 beat 8 and 16 at D=5120 on an H200
+    return block_n, block_d, num_warps, (triton.cdiv(N, block_n),)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, D] with a unit stride on D (a copy only when needed)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: x [N, D], weight [D] (residual [N, D]) -> out [N, D] (and x + residual)."""
+    x, weight = _rows(x), weight.contiguous()
+    N, D = x.shape
+    out = torch.empty((N, D), dtype=x.dtype, device=x.device)
+    total = None if residual is None else torch.empty_like(out)
+    if N > 0 and D > 0:
+        r = x if residual is None else _rows(residual)
+        s = out if total is None else total
+        block_n, block_d, num_warps, grid = _blocks(N, D)
+        _rms_norm_kernel[grid](x, r, weight, out, s, N, D, x.stride(0), r.stride(0), out.stride(0), s.stride(0),
+                               float(eps), ZERO_CENTRED=zero_centred, HAS_RESIDUAL=residual is not None,
+                               BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+    return out if total is None else (out, total)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Launcher: x, z [N, H, D], weight [D] -> [N, H, D] in x's dtype."""
+    shape = x.shape
+    x, z, weight = _rows(x), _rows(z), weight.contiguous()
+    rows, D = x.shape
+    out = torch.empty((rows, D), dtype=x.dtype, device=x.device)
+    if rows > 0 and D > 0:
+        round_wn = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
+        block_n, block_d, num_warps, grid = _blocks(rows, D)
+        _gated_rms_norm_kernel[grid](x, z, weight, out, rows, D, x.stride(0), z.stride(0), out.stride(0),
+                                     float(eps), ROUND_WN=round_wn, BLOCK_N=block_n, BLOCK_D=block_d,
+                                     num_warps=num_warps)
+    return out.view(shape)

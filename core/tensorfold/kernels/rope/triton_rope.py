@@ -1,0 +1,80 @@
+"""Triton partial rotate-half RoPE: one program per (row, block of heads), angles computed in the kernel.
+
+Float32 angles position · inv_freq; cos/sin from libdevice (full range reduction: positions reach 10^5-10^6
+radians) on the GPU, tl.cos/tl.sin under the interpreter (numpy). Each product and the sum are rounded to x's
+dtype as the reference's x·cos + rot(x)·sin in that dtype is; bfloat16 rounding is done on the bits (nearest
+even), because the interpreter truncates on `.to(tl.bfloat16)`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"      # libdevice has no interpreter version
+
+
+@triton.jit
+def _round(v, ty: tl.constexpr):
+    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
+    if ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, H, D, stride_xn, stride_xh, stride_on, stride_oh,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                 LIBDEVICE: tl.constexpr):
+    """out[n, h, :R] = rotate-half(x[n, h, :R]) at angle positions[n]·inv_freq; out[n, h, R:] = x[n, h, R:]."""
+    n = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                     # [BH]
+    half = tl.arange(0, BLOCK_HALF)                                                # [BR] columns of one half
+    h_ok = heads < H
+    ty = out_ptr.dtype.element_ty
+    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + half, mask=half < HALF, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+    else:
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    cos, sin = _round(cos, ty)[None, :], _round(sin, ty)[None, :]                  # [1, BR] in x's dtype
+    mask = h_ok[:, None] & (half < HALF)[None, :]
+    x_row = x_ptr + n * stride_xn + heads[:, None] * stride_xh                     # [BH, 1]
+    o_row = out_ptr + n * stride_on + heads[:, None] * stride_oh
+    first = tl.load(x_row + half[None, :], mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(x_row + HALF + half[None, :], mask=mask, other=0.0).to(tl.float32)
+    out_first = _round(_round(first * cos, ty) + _round(-second * sin, ty), ty)
+    out_second = _round(_round(second * cos, ty) + _round(first * sin, ty), ty)
+    tl.store(o_row + half[None, :], out_first, mask=mask)
+    tl.store(o_row + HALF + half[None, :], out_second, mask=mask)
+    if BLOCK_PASS > 0:                                                             # the non-rotary tail
+        rest = 2 * HALF + tl.arange(0, BLOCK_PASS)
+        pass_mask = h_ok[:, None] & (rest < D)[None, :]
+        tl.store(o_row + rest[None, :], tl.load(x_row + rest[None, :], mask=pass_mask), mask=pass_mask)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Launcher: x [N, H, D], positions [N], inv_freq [R/2], R = rotary_dim -> new [N, H, D]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    N, H, D = x.shape
+    out = torch.empty((N, H, D), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    half = rotary_dim // 2
+    block_half = triton.next_power_of_2(max(half, 1))
+    block_pass = triton.next_power_of_2(D - rotary_dim) if D > rotary_dim else 0
+    fits = max(1, 8192 // (2 * block_half + block_pass))                           # heads in ~8k elements
+    block_h = min(triton.next_power_of_2(H), 1 << (fits.bit_length() - 1))         # a power of two
+    grid = (N, triton.cdiv(H, block_h))
+    _rope_kernel[grid](x, positions, inv_freq.contiguous(), out, H, D, x.stride(0), x.stride(1),
+                       out.stride(0), out.stride(1), HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                       BLOCK_PASS=block_pass, LIBDEVICE=not _INTERPRETED, num_warps=4)
+    return out

@@ -1,0 +1,93 @@
+"""Triton elementwise gates: silu(gate)·up (optionally clamped) and x·sigmoid(gate), one program per
+(row, block of features); rows may be strided views (e.g. the two halves of a fused gate_up projection).
+
+Each step is rounded to the inputs' dtype where the reference's torch ops round (the activation, then the
+product); bfloat16 rounding is done on the bits (nearest even), because triton's interpreter truncates on
+`.to(tl.bfloat16)`; on the GPU it equals cvt.rn.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(v, ty: tl.constexpr):
+    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
+    if ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, stride_g, stride_u, stride_o, limit,
+                     HAS_LIMIT: tl.constexpr, BLOCK_F: tl.constexpr):
+    """out = round(round(silu(g)) · u), with g <- min(g, L), u <- clamp(u, -L, L) first when limited."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = cols < F
+    ty = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        g = _round(tl.minimum(g, limit), ty)
+        u = _round(tl.minimum(tl.maximum(u, -limit), limit), ty)
+    silu = _round(g / (1.0 + tl.exp(-g)), ty)
+    tl.store(out_ptr + row * stride_o + cols, _round(silu * u, ty), mask=mask)
+
+
+@triton.jit
+def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, F, stride_x, stride_g, stride_gf, stride_o,
+                        BLOCK_F: tl.constexpr):
+    """out = round(x · round(sigmoid(g))); stride_gf = 0 broadcasts one gate over a row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = cols < F
+    ty = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    gate = _round(1.0 / (1.0 + tl.exp(-g)), ty)
+    tl.store(out_ptr + row * stride_o + cols, _round(x * gate, ty), mask=mask)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit stride on its last dim (a copy only when it has not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _grid(N: int, F: int) -> tuple[int, tuple[int, int]]:
+    """BLOCK_F and the grid: one program per row and 1024 features."""
+    block_f = min(1024, triton.next_power_of_2(F))
+    return block_f, (N, triton.cdiv(F, block_f))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """Launcher: gate, up [N, F] -> [N, F]."""
+    gate, up = _row_major(gate), _row_major(up)
+    N, F = gate.shape
+    out = torch.empty((N, F), dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        block_f, grid = _grid(N, F)
+        _silu_mul_kernel[grid](gate, up, out, F, gate.stride(0), up.stride(0), out.stride(0),
+                               0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None,
+                               BLOCK_F=block_f, num_warps=4)
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Launcher: x [N, F], gate [N, F] or [N, 1] -> [N, F]."""
+    x = _row_major(x)
+    N, F = x.shape
+    broadcast = gate.shape[1] == 1 and F != 1
+    gate = gate if broadcast else _row_major(gate)
+    out = torch.empty((N, F), dtype=x.dtype, device=x.device)
+    if out.numel():
+        block_f, grid = _grid(N, F)
+        _sigmoid_mul_kernel[grid](x, gate, out, F, x.stride(0), gate.stride(0), 0 if broadcast else 1,
+                                  out.stride(0), BLOCK_F=block_f, num_warps=4)
+    return out

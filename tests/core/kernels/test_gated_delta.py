@@ -1,0 +1,552 @@
+"""The gated delta rule kernels (core/tensorfold/kernels/gated_delta).
+
+CPU: the naive ops agree bit for bit with tensorfold_qwen.gdn (the family's reference), keep every stream's bits
+independent of the others, and match the token-by-token recurrence; the public functions validate and dispatch.
+triton: our fused decode step against the naive one (in the interpreter on the CPU, on the GPU there), batch
+invariant bit for bit. fla-core, when installed: its adapter against the naive ops in the interpreter (CPU), and on
+the GPU the questions docs/kernels.md asks — closeness in fp32 and bf16, resumption from a kept state,
+determinism, one stream alone vs inside a varlen batch. GPU tests print `GDN {json}` lines: run with -s, or read
+$OUT/gdn-tests.jsonl.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tensorfold.kernels import gated_delta
+from tensorfold.kernels.gated_delta import fla_backend, naive
+
+HAS_FLA = importlib.util.find_spec("fla") is not None
+CUDA = torch.cuda.is_available()
+
+
+def report(**record: object) -> None:
+    """Print a measurement (run with -s to see it) and append it to $OUT/gdn-tests.jsonl when OUT is set."""
+    line = json.dumps(record)
+    print("GDN " + line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "gdn-tests.jsonl", "a") as handle:
+            handle.write(line + "\n")
+
+
+def rows(T: int, NK: int, NV: int, DK: int, DV: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+         seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs shaped like Qwen3.5's GDN: q, k [T, NK, DK], v [T, NV, DV] in `dtype`; g = -exp(A_log)·softplus(a +
+    dt_bias) [T, NV] float32 with A in [1, 16] and dt in [1e-3, 1e-1] (Mamba's init); beta = sigmoid [T, NV]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, NK, DK, generator=gen)
+    k = torch.randn(T, NK, DK, generator=gen)
+    v = torch.randn(T, NV, DV, generator=gen)
+    A = torch.empty(NV).uniform_(1, 16, generator=gen)
+    dt = torch.exp(torch.empty(NV).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))                                    # softplus⁻¹(dt)
+    g = -A * F.softplus(torch.randn(T, NV, generator=gen) + dt_bias)
+    beta = torch.sigmoid(torch.randn(T, NV, generator=gen))
+    return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), g.to(device),
+            beta.to(device, dtype))
+
+
+def kept_state(N: int, NV: int, DK: int, DV: int, device: str = "cpu", seed: int = 1) -> torch.Tensor:
+    """A state such as a stream keeps after some hundred tokens: modest entries, float32."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(N, NV, DK, DV, generator=gen) * 0.05).to(device)
+
+
+def qwen_prepared(q, k, NV, scale):
+    """q, k as tensorfold_qwen.gdn prepares them: repeated to the value heads, float32, l2-normalised, q scaled."""
+    from tensorfold_qwen import gdn
+    group = NV // q.shape[-2]
+    q = gdn.l2norm(q.repeat_interleave(group, dim=-2).float()) * scale
+    k = gdn.l2norm(k.repeat_interleave(group, dim=-2).float())
+    return q, k
+
+
+def l2(DK: int) -> dict:
+    """Raw q, k: l2-normalised in the op, q scaled by DK^-0.5 (what the family does before calling)."""
+    return dict(qk_l2norm=True, scale=DK ** -0.5)
+
+
+def worst(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return worst(a, b) / max(float(b.double().abs().max()), 1e-30)
+
+
+# ---------------------------------------------------------------- naive: the reference, bitwise with the family's
+
+
+@pytest.mark.parametrize("start", [0, 37, 64, 130])
+def test_naive_chunk_matches_qwen_bitwise(start):
+    from tensorfold_qwen import gdn
+    T, NK, NV, DK, DV = 150, 2, 4, 16, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV)
+    state = kept_state(1, NV, DK, DV)[0]
+    out, final = naive.chunk_gated_delta(q, k, v, g, beta, state, start, **l2(DK))
+    qq, kk = qwen_prepared(q, k, NV, DK ** -0.5)
+    theirs = state.clone()
+    expected = gdn.chunked(qq, kk, v, g, beta, theirs, start)
+    assert torch.equal(out, expected)
+    assert torch.equal(final, theirs)
+
+
+def test_naive_chunk_takes_prepared_q_bitwise():
+    """The default (scale 1, no l2norm) takes q, k as the family prepares them, already repeated to NV heads."""
+    from tensorfold_qwen import gdn
+    T, NK, NV, DK, DV = 70, 1, 2, 8, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV, seed=3)
+    qq, kk = qwen_prepared(q, k, NV, DK ** -0.5)
+    out, final = naive.chunk_gated_delta(qq, kk, v, g, beta, None, 5)
+    theirs = torch.zeros(NV, DK, DV)
+    assert torch.equal(out, gdn.chunked(qq, kk, v, g, beta, theirs, 5))
+    assert torch.equal(final, theirs)
+
+
+def test_naive_varlen_is_each_stream_alone_bitwise():
+    T, NK, NV, DK, DV = 210, 2, 4, 16, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV)
+    cu, starts = [0, 70, 70, 75, 210], [0, 9, 37, 100]
+    state = kept_state(4, NV, DK, DV)
+    out, final = naive.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
+    for n in range(4):
+        a, b = cu[n], cu[n + 1]
+        alone, alone_final = naive.chunk_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[n],
+                                                     starts[n], **l2(DK))
+        assert torch.equal(out[a:b], alone)
+        assert torch.equal(final[n], alone_final)
+    assert torch.equal(final[1], state[1])                                         # an empty stream keeps its state
+
+
+def test_naive_step_matches_qwen_bitwise_and_leaves_other_slots():
+    from tensorfold_qwen import gdn
+    B, NK, NV, DK, DV = 3, 2, 4, 16, 8
+    q, k, v, g, beta = rows(B, NK, NV, DK, DV, seed=4)
+    states = kept_state(6, NV, DK, DV)
+    pool = states.clone()
+    slots = [5, 0, 2]
+    out = naive.recurrent_gated_delta_step(q, k, v, g, beta, pool, torch.tensor(slots), **l2(DK))
+    for i, slot in enumerate(slots):
+        qq, kk = qwen_prepared(q[i:i + 1], k[i:i + 1], NV, DK ** -0.5)
+        theirs = states[slot].clone()
+        assert torch.equal(out[i], gdn.recurrent_step(qq[0], kk[0], v[i], g[i], beta[i], theirs))
+        assert torch.equal(pool[slot], theirs)
+    untouched = [s for s in range(6) if s not in slots]
+    assert torch.equal(pool[untouched], states[untouched])
+
+
+def test_chunk_is_the_recurrence():
+    """The chunked form (any start) is the token-by-token recurrence, up to float32 rounding."""
+    T, NK, NV, DK, DV = 140, 1, 2, 16, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV, seed=5)
+    state = kept_state(1, NV, DK, DV)
+    pool = state.clone()
+    steps = torch.stack([naive.recurrent_gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                          beta[t:t + 1], pool, [0], **l2(DK))[0]
+                         for t in range(T)])
+    for start in (0, 23):
+        out, final = naive.chunk_gated_delta(q, k, v, g, beta, state[0], start, **l2(DK))
+        assert worst(out, steps) < 2e-5
+        assert worst(final, pool[0]) < 2e-5
+
+
+def test_resume_from_kept_state_matches_one_shot():
+    T, NK, NV, DK, DV = 200, 2, 4, 16, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV, seed=6)
+    one, one_final = naive.chunk_gated_delta(q, k, v, g, beta, **l2(DK))
+    for cut in (64, 77):
+        head, kept = naive.chunk_gated_delta(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], **l2(DK))
+        tail, final = naive.chunk_gated_delta(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], kept, cut,
+                                              **l2(DK))
+        assert worst(torch.cat([head, tail]), one) < 2e-5
+        assert worst(final, one_final) < 2e-5
+
+
+def test_float64_math_is_a_truth():
+    T, NK, NV, DK, DV = 100, 1, 2, 8, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV, seed=7)
+    out32, _ = naive.chunk_gated_delta(q, k, v, g, beta, **l2(DK))
+    out64, final64 = naive.chunk_gated_delta(q.double(), k.double(), v.double(), g, beta, **l2(DK),
+                                             math_dtype=torch.float64)
+    assert out64.dtype == final64.dtype == torch.float64
+    assert worst(out32, out64) < 1e-5
+
+
+# ---------------------------------------------------------------- the public functions: validation and dispatch
+
+
+def test_cpu_dispatches_to_naive_bitwise():
+    T, NK, NV, DK, DV = 80, 2, 4, 16, 8
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV)
+    state = kept_state(2, NV, DK, DV)
+    assert gated_delta.chunk_backend("cpu") == gated_delta.step_backend("cpu") == "naive"
+    ours = gated_delta.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=[0, 30, 80], starts=[3, 0],
+                                         **l2(DK))
+    ref = naive.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=[0, 30, 80], starts=[3, 0], **l2(DK))
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+    one = gated_delta.chunk_gated_delta(q, k, v, g, beta, state[0], 70, **l2(DK))     # one stream: [NV, DK, DV]
+    assert one[1].shape == (NV, DK, DV)
+    assert all(torch.equal(a, b) for a, b in zip(one, naive.chunk_gated_delta(q, k, v, g, beta, state[0], 70,
+                                                                              **l2(DK)), strict=True))
+    a, b = state.clone(), state.clone()
+    out = gated_delta.recurrent_gated_delta_step(q[:2], k[:2], v[:2], g[:2], beta[:2], a, [1, 0])
+    assert torch.equal(out, naive.recurrent_gated_delta_step(q[:2], k[:2], v[:2], g[:2], beta[:2], b, [1, 0]))
+    assert torch.equal(a, b)
+
+
+def test_without_fla_cuda_falls_back_to_ours(monkeypatch):
+    from tensorfold.kernels.backend import triton_installed
+    monkeypatch.setattr(fla_backend, "_ops", lambda: None)
+    assert not fla_backend.available()
+    assert gated_delta.chunk_backend("cuda") == "naive"
+    assert gated_delta.step_backend("cuda") == ("triton" if triton_installed() else "naive")
+    q, k, v, g, beta = rows(4, 1, 1, 8, 8)
+    with pytest.raises(RuntimeError, match="fla-core"):
+        gated_delta.chunk_gated_delta(q, k, v, g, beta, backend="fla")
+
+
+CHUNK_MISTAKES = {
+    "k shape": lambda a: a.update(k=a["k"][:, :1]),
+    "heads": lambda a: a.update(v=torch.randn(6, 3, 8)),
+    "g dtype": lambda a: a.update(g=a["g"].bfloat16()),
+    "g shape": lambda a: a.update(g=a["g"][:, :2]),
+    "mixed dtype": lambda a: a.update(v=a["v"].double()),
+    "cu_seqlens": lambda a: a.update(cu_seqlens=[0, 4, 5]),
+    "starts": lambda a: a.update(cu_seqlens=[0, 2, 6], starts=[0]),
+    "state dtype": lambda a: a.update(initial_state=kept_state(1, 4, 8, 8)[0].bfloat16()),
+    "state shape": lambda a: a.update(initial_state=kept_state(3, 4, 8, 8)),
+    "batched state for one stream": lambda a: a.update(initial_state=kept_state(1, 4, 8, 8)),
+    "start with cu_seqlens": lambda a: a.update(cu_seqlens=[0, 6], start=3),
+    "starts without cu_seqlens": lambda a: a.update(starts=[3]),
+    "negative start": lambda a: a.update(start=-1),
+    "backend": lambda a: a.update(backend="cuda-magic"),
+}
+STEP_MISTAKES = {
+    "duplicate slots": lambda a: a.update(slots=[0, 1, 1]),
+    "slot range": lambda a: a.update(slots=[0, 1, 4]),
+    "slot count": lambda a: a.update(slots=[0, 1]),
+    "pool dtype": lambda a: a.update(states=a["states"].double()),
+    "pool layout": lambda a: a.update(states=a["states"].transpose(-1, -2)),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(CHUNK_MISTAKES))
+def test_chunk_refuses_bad_inputs(mistake):
+    q, k, v, g, beta = rows(6, 2, 4, 8, 8)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta)
+    CHUNK_MISTAKES[mistake](args)
+    with pytest.raises(ValueError):
+        gated_delta.chunk_gated_delta(**args)
+
+
+@pytest.mark.parametrize("mistake", sorted(STEP_MISTAKES))
+def test_step_refuses_bad_inputs(mistake):
+    q, k, v, g, beta = rows(3, 2, 4, 8, 8)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, states=kept_state(4, 4, 8, 8), slots=[0, 1, 2])
+    STEP_MISTAKES[mistake](args)
+    with pytest.raises(ValueError):
+        gated_delta.recurrent_gated_delta_step(**args)
+
+
+# ---------------------------------------------------------------- triton: our fused decode step
+
+
+def _triton_step(*args, **kwargs):
+    from tensorfold.kernels.gated_delta import triton_recurrent
+    return triton_recurrent.recurrent_gated_delta_step(*args, **kwargs)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("shape", [(2, 4, 16, 8), (1, 2, 32, 48), (2, 2, 24, 40)], ids=str)
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "prepared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_step_matches_naive(device, shape, l2norm, dtype):
+    NK, NV, DK, DV = shape
+    B = 3
+    q, k, v, g, beta = rows(B, NK, NV, DK, DV, device, dtype, seed=8)
+    states = kept_state(5, NV, DK, DV, device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    ref_pool, pool = states.clone(), states.clone()
+    scale = DK ** -0.5 if l2norm else 0.3
+    ref = naive.recurrent_gated_delta_step(q, k, v, g, beta, ref_pool, slots, qk_l2norm=l2norm, scale=scale)
+    out = _triton_step(q, k, v, g, beta, pool, slots, qk_l2norm=l2norm, scale=scale)
+    assert out.dtype == dtype and out.shape == (B, NV, DV)
+    assert worst(pool, ref_pool) < 1e-5
+    assert relative(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(pool[[1, 3]], states[[1, 3]])
+
+
+@pytest.mark.triton
+def test_triton_step_is_batch_invariant_bitwise(device):
+    """One stream alone and the same stream inside batches of 4 and 7 (in another slot, at another place) give the
+    same bits, twice."""
+    NK, NV, DK, DV = 2, 4, 32, 64
+    q, k, v, g, beta = rows(7, NK, NV, DK, DV, device, seed=9)
+    states = kept_state(8, NV, DK, DV, device)
+    alone_pool = states.clone()
+    alone = _triton_step(q[3:4], k[3:4], v[3:4], g[3:4], beta[3:4], alone_pool, [6], **l2(DK))
+    for B, slots in ((4, [1, 2, 5, 6]), (7, [0, 1, 2, 6, 3, 4, 5])):
+        for _ in range(2):
+            pool = states.clone()
+            out = _triton_step(q[:B], k[:B], v[:B], g[:B], beta[:B], pool, slots, **l2(DK))
+            assert torch.equal(out[3], alone[0])
+            assert torch.equal(pool[6], alone_pool[6])
+
+
+@pytest.mark.triton
+def test_triton_step_through_dispatch(device):
+    q, k, v, g, beta = rows(2, 1, 2, 16, 16, device, seed=10)
+    a, b = kept_state(3, 2, 16, 16, device), kept_state(3, 2, 16, 16, device)
+    out = gated_delta.recurrent_gated_delta_step(q, k, v, g, beta, a, [2, 0], backend="triton")
+    ref = naive.recurrent_gated_delta_step(q, k, v, g, beta, b, [2, 0])
+    assert worst(out, ref) < 1e-5 and worst(a, b) < 1e-5
+
+
+# ---------------------------------------------------------------- fla in the interpreter (CPU): the adapter's glue
+
+
+@pytest.fixture
+def fla_interpreted(monkeypatch):
+    """fla's kernels in triton's interpreter. fla targets the compiler, so three shims, undone after the test: a
+    size-1 scalar converts to int; autotuning takes the first config (it cannot time anything); a kernel's
+    `range` over a runtime count yields tensors, as the compiler's does."""
+    if CUDA:
+        pytest.skip("the GPU tests run fla itself")
+    if not HAS_FLA:
+        pytest.skip("fla-core is not installed")
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+    from triton.runtime import autotuner
+    if not hasattr(interpreter, "_patch_lang_tensor") or not hasattr(interpreter, "TensorHandle"):
+        pytest.skip("this triton's interpreter lacks the hooks the shims use")
+    original_patch, original_run = interpreter._patch_lang_tensor, autotuner.Autotuner.run
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def first_config(self, *args, **kwargs):
+        configs, self.configs = self.configs, self.configs[:1]
+        try:
+            return original_run(self, *args, **kwargs)
+        finally:
+            self.configs = configs
+
+    def kernel_range(*bounds):
+        if not any(hasattr(b, "handle") for b in bounds):
+            yield from builtins.range(*bounds)
+            return
+        ints = [int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds]
+        for i in builtins.range(*ints):
+            yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+    monkeypatch.setattr(autotuner.Autotuner, "run", first_config)
+    if not fla_backend.available():
+        pytest.skip("fla-core does not import here")
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fla.ops.") and not name.endswith(".naive"):
+            monkeypatch.setattr(module, "range", kernel_range, raising=False)
+
+
+@pytest.mark.triton
+def test_fla_adapter_in_the_interpreter(fla_interpreted):
+    """Layout, g, scale, l2norm, states in and out, slots, zero-row alignment: fla's chunked and recurrent ops
+    through the adapter agree with the naive ones (the interpreter computes dots in plain float32), and a stream's
+    bits are the same alone and inside a varlen batch."""
+    NK, NV, DK, DV = 1, 2, 32, 16
+    cu, starts = [0, 70, 75, 75, 205], [0, 37, 5, 100]
+    q, k, v, g, beta = rows(cu[-1], NK, NV, DK, DV, seed=11)
+    state = kept_state(4, NV, DK, DV)
+    ref, ref_final = naive.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
+    out, final = fla_backend.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts,
+                                               **l2(DK))
+    assert worst(out, ref) < 1e-5 and worst(final, ref_final) < 1e-5
+    aligned, aligned_final = fla_backend.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts,
+                                                           **l2(DK), align_grid=True)
+    assert worst(aligned, ref) < 1e-5 and worst(aligned_final, ref_final) < 1e-5
+    assert torch.equal(final[2], state[2])                                         # the empty stream
+    alone, alone_final = fla_backend.chunk_gated_delta(q[75:], k[75:], v[75:], g[75:], beta[75:], state[3],
+                                                       **l2(DK))
+    assert torch.equal(alone, out[75:]) and torch.equal(alone_final, final[3])
+    one, one_final = fla_backend.chunk_gated_delta(q[75:], k[75:], v[75:], g[75:], beta[75:], state[3], 100,
+                                                   align_grid=True, **l2(DK))
+    assert worst(one, ref[75:]) < 1e-5 and worst(one_final, ref_final[3]) < 1e-5
+    pool, ref_pool, slots = kept_state(6, NV, DK, DV), kept_state(6, NV, DK, DV), [5, 1, 3]
+    step = fla_backend.recurrent_gated_delta_step(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, slots,
+                                                  **l2(DK))
+    ref_step = naive.recurrent_gated_delta_step(q[:3], k[:3], v[:3], g[:3], beta[:3], ref_pool, slots,
+                                                **l2(DK))
+    assert worst(step, ref_step) < 1e-5 and worst(pool, ref_pool) < 1e-5
+    assert torch.equal(pool[[0, 2, 4]], ref_pool[[0, 2, 4]])
+
+
+# ---------------------------------------------------------------- fla on the GPU: the decision's questions
+
+QWEN = dict(NK=16, NV=32, DK=128, DV=128)          # Qwen3.5-9B's GDN heads
+
+
+def _fla():
+    """Skip without fla-core; fail when it is installed but does not import (a missing einops wheel, say)."""
+    if not HAS_FLA:
+        pytest.skip("fla-core is not installed")
+    if not fla_backend.available():
+        pytest.fail(fla_backend.import_error())
+
+
+def _truth(q, k, v, g, beta, state, cu, starts):
+    return naive.chunk_gated_delta(q.double(), k.double(), v.double(), g, beta.double(), state, cu_seqlens=cu,
+                                   starts=starts, qk_l2norm=True, scale=q.shape[-1] ** -0.5,
+                                   math_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_fla_chunk_against_naive(dtype, resumed):
+    """fla's chunked op vs naive (float32 math on the GPU) and a float64 truth, fresh from position 0 or resumed
+    from a kept state at unaligned starts, streams packed varlen."""
+    _fla()
+    NK, NV, DK, DV = 4, 8, 128, 128
+    cu = [0, 300, 301, 1000]
+    starts = [130, 7, 4097] if resumed else [0, 0, 0]
+    q, k, v, g, beta = rows(cu[-1], NK, NV, DK, DV, "cuda", dtype, seed=12)
+    state = kept_state(3, NV, DK, DV, "cuda") if resumed else None
+    out, final = fla_backend.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts,
+                                               **l2(DK))
+    ref, ref_final = naive.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
+    truth, truth_final = _truth(q, k, v, g, beta, state, cu, starts)
+    aligned, _ = fla_backend.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts,
+                                               **l2(DK), align_grid=True)
+    record = dict(test="fla_chunk", dtype=str(dtype), resumed=resumed,
+                  fla_vs_naive_out=worst(out, ref), fla_vs_naive_state=worst(final, ref_final),
+                  fla_vs_truth_out=worst(out, truth), naive_vs_truth_out=worst(ref, truth),
+                  fla_vs_truth_state=worst(final, truth_final), naive_vs_truth_state=worst(ref_final, truth_final),
+                  fla_aligned_vs_truth_out=worst(aligned, truth), out_max=float(truth.abs().max()),
+                  env=fla_backend.environment())
+    report(**record)
+    limit = 2e-2 if dtype == torch.float32 else 6e-2
+    assert relative(out, truth) < limit and relative(final, truth_final) < limit, record
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_fla_chunk_is_deterministic_and_batch_invariant(dtype):
+    """The same call twice gives the same bits; a stream alone gives the same bits as inside a varlen batch
+    (first, middle and last place, with neighbours of other lengths)."""
+    _fla()
+    NK, NV, DK, DV = QWEN["NK"], QWEN["NV"], QWEN["DK"], QWEN["DV"]
+    lengths = [190, 1000, 64, 513]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    q, k, v, g, beta = rows(cu[-1], NK, NV, DK, DV, "cuda", dtype, seed=13)
+    state = kept_state(4, NV, DK, DV, "cuda")
+    first = fla_backend.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, **l2(DK))
+    second = fla_backend.chunk_gated_delta(q, k, v, g, beta, state, cu_seqlens=cu, **l2(DK))
+    twice = torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    solo = {}
+    for n in range(4):
+        a, b = cu[n], cu[n + 1]
+        out, final = fla_backend.chunk_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[n],
+                                                   **l2(DK))
+        solo[n] = (torch.equal(out, first[0][a:b]) and torch.equal(final, first[1][n]),
+                   worst(out, first[0][a:b]))
+    report(test="fla_chunk_bitwise", dtype=str(dtype), same_call_twice=twice,
+           alone_vs_in_batch={n: s[0] for n, s in solo.items()}, worst_diff={n: s[1] for n, s in solo.items()})
+    assert twice
+    assert all(s[0] for s in solo.values()), solo
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["fla", "triton"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_step_against_naive_and_batch_invariant(dtype, backend):
+    """The decode step of 16 streams in a pool of 40: vs naive, the same call twice, one stream alone vs inside."""
+    if backend == "fla":
+        _fla()
+    NK, NV, DK, DV = QWEN["NK"], QWEN["NV"], QWEN["DK"], QWEN["DV"]
+    B = 16
+    q, k, v, g, beta = rows(B, NK, NV, DK, DV, "cuda", dtype, seed=14)
+    states = kept_state(40, NV, DK, DV, "cuda")
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:B].cuda()
+    ref_pool = states.clone()
+    ref = naive.recurrent_gated_delta_step(q, k, v, g, beta, ref_pool, slots, **l2(DK))
+    runs = []
+    for _ in range(2):
+        pool = states.clone()
+        runs.append((gated_delta.recurrent_gated_delta_step(q, k, v, g, beta, pool, slots, **l2(DK),
+                                                            backend=backend), pool))
+    alone_pool = states.clone()
+    alone = gated_delta.recurrent_gated_delta_step(q[5:6], k[5:6], v[5:6], g[5:6], beta[5:6], alone_pool,
+                                                   slots[5:6], **l2(DK), backend=backend)
+    (out, pool), (out2, pool2) = runs
+    slot = int(slots[5])
+    record = dict(test="step", backend=backend, dtype=str(dtype), vs_naive_out=worst(out, ref),
+                  vs_naive_state=worst(pool, ref_pool),
+                  same_call_twice=torch.equal(out, out2) and torch.equal(pool, pool2),
+                  alone_vs_in_batch=torch.equal(alone[0], out[5]) and torch.equal(alone_pool[slot], pool[slot]))
+    report(**record)
+    assert record["vs_naive_state"] < 1e-4 and relative(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+    assert record["same_call_twice"] and record["alone_vs_in_batch"], record
+    untouched = torch.ones(40, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], states[untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_fla_prefill_then_decode_continues_the_stream():
+    """Prefill through fla to a kept state, then decode steps: the same as the naive path end to end."""
+    _fla()
+    NK, NV, DK, DV = 4, 8, 128, 128
+    T, steps = 333, 4
+    q, k, v, g, beta = rows(T + steps, NK, NV, DK, DV, "cuda", seed=15)
+    _, kept = fla_backend.chunk_gated_delta(q[:T], k[:T], v[:T], g[:T], beta[:T], **l2(DK))
+    _, ref_kept = naive.chunk_gated_delta(q[:T], k[:T], v[:T], g[:T], beta[:T], **l2(DK))
+    pool, ref_pool = kept[None].clone(), ref_kept[None].clone()
+    diffs = []
+    for t in range(T, T + steps):
+        out = fla_backend.recurrent_gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                     beta[t:t + 1], pool, [0], **l2(DK))
+        ref = naive.recurrent_gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                                               ref_pool, [0], **l2(DK))
+        diffs.append(worst(out, ref))
+    report(test="fla_prefill_then_decode", step_out_diffs=diffs, state_diff=worst(pool, ref_pool))
+    assert max(diffs) < 1e-2 and worst(pool, ref_pool) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_fla_split_prefill_vs_one_shot(dtype):
+    """Prefill [0, cut) to a kept state, then [cut, T) from it, vs one call over [0, T): close always; reported
+    whether bitwise (a cut on a multiple of 64 gives fla the same chunks as the one-shot call)."""
+    _fla()
+    NK, NV, DK, DV = 4, 8, 128, 128
+    T = 1000
+    q, k, v, g, beta = rows(T, NK, NV, DK, DV, "cuda", dtype, seed=16)
+    one, one_final = fla_backend.chunk_gated_delta(q, k, v, g, beta, **l2(DK))
+    results = {}
+    for cut in (512, 300):
+        head, kept = fla_backend.chunk_gated_delta(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], **l2(DK))
+        tail, final = fla_backend.chunk_gated_delta(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], kept, cut,
+                                                    **l2(DK))
+        both = torch.cat([head, tail])
+        results[cut] = dict(bitwise=torch.equal(both, one) and torch.equal(final, one_final),
+                            out_diff=worst(both, one), state_diff=worst(final, one_final))
+    report(test="fla_split_vs_one_shot", dtype=str(dtype), **{str(c): r for c, r in results.items()})
+    for r in results.values():
+        assert r["out_diff"] < 5e-2 * float(one.double().abs().max()), results
