@@ -105,6 +105,8 @@ def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) 
     beta = torch.sigmoid(F.linear(h, w.in_proj_b)).float()                             # [N, NV]
     g = -w.A_log.float().exp() * F.softplus(F.linear(h, w.in_proj_a).float() + w.dt_bias)   # [N, NV]
     out = torch.empty_like(v)                                                          # [N, NV, DV]
+    # fla's chunked kernels take TF32 dots; a float32 model (the checking mode) keeps the exact chunked form.
+    chunk_backend = "naive" if h.dtype == torch.float32 else None
     if rows.single:
         r = rows.single_rows
         out[r] = recurrent_gated_delta_step(q[r], k[r], v[r], g[r], beta[r], kv.fixed_states(index, RECURRENT),
@@ -112,7 +114,8 @@ def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) 
     for i in rows.longer:
         a, b = rows.spans[i]
         state = kv.fixed(index, RECURRENT, rows.slots[i])
-        out[a:b], final = chunk_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, rows.starts[i])
+        out[a:b], final = chunk_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, rows.starts[i],
+                                            backend=chunk_backend)
         state.copy_(final)
     z = F.linear(h, w.in_proj_z).view(N, c.v_heads, c.v_dim)
     out = gated_rms_norm(out.to(h.dtype), z, w.norm, c.rms_norm_eps)

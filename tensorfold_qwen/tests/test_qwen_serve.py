@@ -11,12 +11,12 @@ import sys
 import time
 
 import httpx
-import openai
 import pytest
 from typer.testing import CliRunner
 
 from tensorfold.cli import app
 
+openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 

@@ -48,9 +48,9 @@ def step_backend(device: torch.device | str) -> str:
     """The decode-step implementation `backend=None` picks on this device."""
     if torch.device(device).type != "cuda":
         return "naive"
-    if fla_backend.available():
-        return "fla"
-    return "triton" if triton_installed() else "naive"
+    if triton_installed():
+        return "triton"
+    return "fla" if fla_backend.available() else "naive"
 
 
 @functools.cache
