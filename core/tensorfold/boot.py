@@ -62,6 +62,8 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--context {settings.context} is too small: it must be at least 2")
     if settings.prefill_chunk < 1:
         found.append(f"--prefill-chunk {settings.prefill_chunk} must be at least 1")
+    if settings.min_chunk < 1:
+        found.append(f"--min-chunk {settings.min_chunk} must be at least 1")
     if settings.max_waiting < 1:
         found.append(f"--max-waiting {settings.max_waiting} must be at least 1")
     if settings.page_rows < 1:
@@ -156,10 +158,12 @@ def boot(settings: Settings, family: Family) -> Loaded:
     model = family.load(checkpoint, dtype, device)
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
     memory = build_memory(plan, declarations.layout, settings, device)
-    engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting)
+    engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
+                    min_chunk=settings.min_chunk)
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
+                      request_starts=settings.switch(family.request_starts_switch),
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON")})
     log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,

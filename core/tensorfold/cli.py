@@ -13,7 +13,14 @@ import typer
 
 from tensorfold.family import PluginError
 from tensorfold.refusals import Refused
-from tensorfold.settings import DEFAULT_CONTEXT, DEFAULT_PAGE_ROWS, DEFAULT_PREFILL_CHUNK, SwitchError, read_settings
+from tensorfold.settings import (
+    DEFAULT_CONTEXT,
+    DEFAULT_MIN_CHUNK,
+    DEFAULT_PAGE_ROWS,
+    DEFAULT_PREFILL_CHUNK,
+    SwitchError,
+    read_settings,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve hybrid LLMs that resume conversations.")
 
@@ -25,6 +32,8 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bf
                                        "bfloat16 or float16.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 ChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="Prefill grid: chunk k covers [k*N, (k+1)*N).")]
+MinChunkOpt = Annotated[int, typer.Option("--min-chunk", help="A request start closer than N rows to the previous "
+                                          "prefill cut merges into it (with the family's request-starts switch).")]
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at once: N, or auto (as many as fit, "
                                           "up to 8).")]
 PageRowsOpt = Annotated[int, typer.Option("--page-rows", help="Rows (tokens) per KV page.")]
@@ -64,6 +73,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     prefill_chunk: ChunkOpt = DEFAULT_PREFILL_CHUNK,
+    min_chunk: MinChunkOpt = DEFAULT_MIN_CHUNK,
     parallel: ParallelOpt = "auto",
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
     kv_gib: KvGibOpt = None,
@@ -75,7 +85,8 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings, chosen = _settings(family, model=model, host=host, port=port, context=context, dtype=dtype,
-                                     device=device, prefill_chunk=prefill_chunk, served_name=served_model_name,
+                                     device=device, prefill_chunk=prefill_chunk, min_chunk=min_chunk,
+                                     served_name=served_model_name,
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
                                      kv_gib=kv_gib)
         from tensorfold.boot import boot

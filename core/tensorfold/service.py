@@ -28,7 +28,8 @@ class Submitter(Protocol):
 
 @attrs.frozen
 class Service:
-    """The server's view of one served model."""
+    """The server's view of one served model; with `request_starts` (the family's request-starts switch) chat
+    requests carry the positions where their messages start, and prefill cuts there too."""
 
     engine: Submitter
     tokenizer: ChatTokenizer
@@ -37,3 +38,4 @@ class Service:
     context: int
     defaults: Sampling
     plan: dict[str, Any] = attrs.field(factory=dict)
+    request_starts: bool = False

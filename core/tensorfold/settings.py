@@ -13,6 +13,7 @@ FALSE = {"0", "false", "off", "no"}
 DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 2048
 DEFAULT_PAGE_ROWS = 256
+DEFAULT_MIN_CHUNK = 256  # a request start closer than this to the previous prefill cut merges into it
 CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
     ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
@@ -54,6 +55,7 @@ class Settings:
     dtype: str = "auto"
     device: str = "auto"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    min_chunk: int = DEFAULT_MIN_CHUNK
     served_name: str | None = None
     max_waiting: int = 64
     parallel: int | None = None

@@ -13,18 +13,19 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.kv import WindowStore
 from tensorfold.refusals import Refused
-from tensorfold.settings import Settings
+from tensorfold.settings import Settings, read_settings
 from tensorfold.tokenizer import ChatTokenizer
 
 
 def test_every_refusal_is_reported_at_once(example, tiny_dir):
-    settings = Settings(family="example", model=tiny_dir, context=100000, prefill_chunk=0, dtype="float64")
+    settings = Settings(family="example", model=tiny_dir, context=100000, prefill_chunk=0, dtype="float64",
+                        min_chunk=0)
     with pytest.raises(Refused) as caught:
         boot(settings, example)
     text = str(caught.value)
-    assert "--prefill-chunk 0" in text and "--dtype 'float64'" in text
+    assert "--prefill-chunk 0" in text and "--dtype 'float64'" in text and "--min-chunk 0 must be at least 1" in text
     assert "[example]" in text and "--context 100000" in text
-    assert len(caught.value.refusals) == 3
+    assert len(caught.value.refusals) == 4
 
 
 def test_a_checkpoint_of_another_model_type_is_refused_by_name(example, tiny_dir, tmp_path):
@@ -38,15 +39,19 @@ def test_a_checkpoint_of_another_model_type_is_refused_by_name(example, tiny_dir
 
 
 def test_boot_builds_a_service(example, tiny_dir):
-    loaded = boot(Settings(family="example", model=tiny_dir, context=64, served_name="tiny"), example)
+    settings = read_settings({}, [("TF_EXAMPLE_REQUEST_STARTS", True)], family="example", model=tiny_dir, context=64,
+                             served_name="tiny", min_chunk=100)
+    loaded = boot(settings, example)
     assert loaded.service.model_name == "tiny" and loaded.service.context == 64
+    assert loaded.service.request_starts and loaded.engine.scheduler.min_chunk == 100
     assert loaded.dtype == torch.float32 and loaded.engine.kv.page_rows == 256
     assert loaded.engine.memory.slots.count == 8 and loaded.engine.kv.pages == 8
 
 
 def test_pages_off_gives_one_window_per_stream(example, tiny_dir):
-    switches = {"TF_KV_PAGES": False, "TF_KV_POISON": True}
+    switches = {"TF_KV_PAGES": False, "TF_KV_POISON": True, "TF_EXAMPLE_REQUEST_STARTS": False}
     loaded = boot(Settings(family="example", model=tiny_dir, context=64, parallel=3, switches=switches), example)
+    assert not loaded.service.request_starts
     assert isinstance(loaded.engine.kv, WindowStore) and loaded.engine.kv.capacity == 64
     assert loaded.engine.kv.poison and loaded.engine.memory.pool is None
 

@@ -63,10 +63,12 @@ def test_an_unknown_family_exits_with_a_clear_error():
 def test_serve_refuses_bad_flags_all_at_once(tmp_path):
     RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
     proc = subprocess.run([sys.executable, "-m", "tensorfold", "serve", "--family", "example", "--model",
-                           str(tmp_path / "m"), "--context", "1", "--prefill-chunk", "0", "--device", "cuda:0"],
+                           str(tmp_path / "m"), "--context", "1", "--prefill-chunk", "0", "--device", "cuda:0",
+                           "--min-chunk", "0"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stderr
-    for needle in ("--context 1 is too small", "--prefill-chunk 0", "--device cuda:0 asks for CUDA"):
+    for needle in ("--context 1 is too small", "--prefill-chunk 0", "--device cuda:0 asks for CUDA",
+                   "--min-chunk 0 must be at least 1"):
         assert needle in proc.stderr
 
 

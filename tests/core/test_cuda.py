@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorfold.boot import boot
-from tensorfold.settings import Settings
+from tensorfold.settings import read_settings
 from tensorfold.testing import kit
 
 pytestmark = [pytest.mark.gpu,
@@ -40,5 +40,6 @@ def test_cuda_fp32_matches_the_cpu_reference(example, tiny_dir):
 
 
 def test_auto_serves_bfloat16_on_cuda(example, tiny_dir):
-    loaded = boot(Settings(family="example", model=tiny_dir, context=128), example)
+    settings = read_settings({}, [("TF_EXAMPLE_REQUEST_STARTS", True)], family="example", model=tiny_dir, context=128)
+    loaded = boot(settings, example)
     assert loaded.device.type == "cuda" and loaded.dtype == torch.bfloat16

@@ -19,7 +19,7 @@ import pytest
 from tensorfold.boot import Loaded, boot
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
-from tensorfold.settings import Settings
+from tensorfold.settings import read_settings
 from tensorfold.tokenizer import ChatTokenizer
 
 START_TIMEOUT_S = 120.0
@@ -52,7 +52,9 @@ def tokenizer(tiny_checkpoint: Path) -> ChatTokenizer:
 @pytest.fixture(scope="session")
 def loaded(example_family: Family, tiny_checkpoint: Path) -> Iterator[Loaded]:
     """The tiny checkpoint booted as `serve` boots it (real model, stream memory, engine, service), engine running."""
-    booted = boot(Settings(family="example", model=tiny_checkpoint, context=IN_PROCESS_CONTEXT), example_family)
+    settings = read_settings({}, [("TF_EXAMPLE_REQUEST_STARTS", True)], family="example",
+                             model=tiny_checkpoint, context=IN_PROCESS_CONTEXT)
+    booted = boot(settings, example_family)
     booted.engine.start()
     yield booted
     booted.engine.close()

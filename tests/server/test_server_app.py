@@ -20,7 +20,7 @@ from tensorfold.boot import Loaded, boot, build_memory, memory_plan
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, Sampling, TokenEvent
 from tensorfold.engine.runner import Engine
 from tensorfold.server import build_app
-from tensorfold.settings import Settings
+from tensorfold.settings import read_settings
 
 HI = [{"role": "user", "content": "Hello!"}]
 BOOM = "the engine failed this request: RuntimeError: boom"
@@ -304,7 +304,9 @@ def test_memory_reports_the_plan_and_a_clean_pool(http, loaded):
 @pytest.fixture
 def live(example_family, tiny_checkpoint):
     """The app under a real uvicorn in this process, over the real engine with a long context (slow replies)."""
-    booted = boot(Settings(family="example", model=tiny_checkpoint, context=LONG_CONTEXT), example_family)
+    settings = read_settings({}, [("TF_EXAMPLE_REQUEST_STARTS", True)], family="example",
+                             model=tiny_checkpoint, context=LONG_CONTEXT)
+    booted = boot(settings, example_family)
     booted.engine.start()
     recording = Recording(booted.engine)
     config = uvicorn.Config(build_app(attrs.evolve(booted.service, engine=recording)), host="127.0.0.1", port=0,

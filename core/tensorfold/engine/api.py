@@ -50,13 +50,16 @@ Event = TokenEvent | DoneEvent | ErrorEvent
 
 @attrs.define
 class Request:
-    """A prompt to continue; `on_event` is called from the engine thread and must not block."""
+    """A prompt to continue; `on_event` is called from the engine thread and must not block. `starts` are the
+    prompt positions where requests (chat messages) start: prefill also cuts there (engine/cuts.py); empty, the
+    grid alone."""
 
     id: str
     prompt: tuple[int, ...] = attrs.field(converter=tuple)
     sampling: Sampling
     on_event: Callable[[Event], None] = attrs.field(repr=False)
     cancelled: threading.Event = attrs.field(factory=threading.Event, repr=False)
+    starts: tuple[int, ...] = attrs.field(default=(), converter=tuple, kw_only=True)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request at its next step (client gone, stop string seen)."""

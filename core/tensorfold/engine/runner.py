@@ -15,6 +15,7 @@ from tensorfold.engine.scheduler import Scheduler
 from tensorfold.engine.stream import Stream
 from tensorfold.family import FamilyModel
 from tensorfold.service import QueueFull
+from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,10 @@ class Engine:
     """Many streams share one memory and one step loop; the server only ever calls `submit`."""
 
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
-                 max_waiting: int) -> None:
+                 max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK) -> None:
         self.model = model
         self.memory = memory
-        self.scheduler = Scheduler(memory, context, prefill_chunk)
+        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk)
         self.context = context
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()

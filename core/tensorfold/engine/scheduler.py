@@ -1,29 +1,35 @@
 """Admission and step building: who runs, and which rows each running stream feeds this step.
 
     each step:  every decoding stream feeds 1 row;
-                prefilling streams, oldest first, feed their next chunk on the absolute grid
-                [p, min(prompt, (p // chunk + 1) · chunk)) while the step's rows stay within one chunk's worth
-                (the oldest prefilling stream always gets its chunk, so every stream progresses)
+                prefilling streams, oldest first, feed their next chunk [p, next cut) while the step's rows
+                stay within one chunk's worth (the oldest prefilling stream always gets its chunk, so every
+                stream progresses); the cuts are planned once at admission, plan_cuts(prompt, starts, chunk,
+                min_chunk) (engine/cuts.py): the absolute grid when the request has no starts
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 
 from tensorfold.engine.api import Request
+from tensorfold.engine.cuts import plan_cuts
 from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.sampler import Sampler
 from tensorfold.engine.stream import Stream
 from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 
 class Scheduler:
     """Bookkeeping only: it never touches tensors beyond binding page tables through StreamMemory."""
 
-    def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int) -> None:
+    def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int,
+                 min_chunk: int = DEFAULT_MIN_CHUNK) -> None:
         self.memory = memory
         self.context = context
         self.prefill_chunk = prefill_chunk
+        self.min_chunk = min_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Stream] = []
 
@@ -37,7 +43,8 @@ class Scheduler:
         while self.waiting and self.memory.fits(self.reach(self.waiting[0])):
             request = self.waiting.popleft()
             claim = self.memory.take(request.id, self.reach(request))
-            stream = Stream(request, claim, Sampler(request.sampling))
+            cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
+            stream = Stream(request, claim, Sampler(request.sampling), cuts=cuts)
             self.running.append(stream)
             admitted.append(stream)
         return admitted
@@ -76,6 +83,6 @@ class Scheduler:
 
     def _prefill_share(self, stream: Stream) -> StreamStep:
         start = stream.position
-        end = min(stream.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        end = stream.cuts[bisect_right(stream.cuts, start)]
         tokens = stream.request.prompt[start:end]
         return StreamStep(stream.claim.slot, start, tokens, sample=end == stream.prompt_len)

@@ -11,11 +11,13 @@ from tensorfold.engine.sampler import Sampler
 
 @attrs.define
 class Stream:
-    """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode."""
+    """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode,
+    `cuts` where its prefill is cut (engine/cuts.py, planned once at admission)."""
 
     request: Request
     claim: Claim
     sampler: Sampler
+    cuts: tuple[int, ...] = ()
     position: int = 0
     produced: int = 0
     pending: int | None = None

@@ -22,6 +22,7 @@ from tensorfold.server.fields import (
     read_token_ids,
 )
 from tensorfold.server.messages import read_messages, read_template_kwargs, render
+from tensorfold.server.starts import message_starts
 from tensorfold.service import Service
 
 CONTEXT_CODE = "context_length_exceeded"
@@ -54,6 +55,7 @@ class Generate:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    starts: tuple[int, ...] = ()  # where the chat's messages start in `prompt`, with the request-starts switch
 
 
 @attrs.frozen
@@ -72,7 +74,10 @@ def parse_chat(body: Mapping[str, Any], service: Service) -> Generate:
     prompt = service.tokenizer.encode(text)
     if not prompt:
         raise bad_request("the messages render to an empty prompt", "messages")
-    return generate(body, service, prompt, "messages")
+    params = generate(body, service, prompt, "messages")
+    if not service.request_starts:
+        return params
+    return attrs.evolve(params, starts=message_starts(service.tokenizer, messages, prompt, kwargs, text))
 
 
 def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:

@@ -1,0 +1,42 @@
+"""Request starts: the token positions in a rendered chat prompt where each message begins, and where the turn
+being generated begins, so prefill can cut there (engine/cuts.py) and a later turn can resume at them.
+
+Found by rendering the conversation prefix by prefix rather than by parsing the template's output:
+
+    start of messages[i]      = len(tokens(render(messages[:i], add_generation_prompt=False)))   1 ≤ i < n
+    start of the reply's turn = len(tokens(render(messages, add_generation_prompt=False)))
+
+A position is kept only when the prefix's tokens are an exact prefix of the full prompt's tokens; a template that
+renders a prefix differently (drops reasoning, moves a system note) or a merge across the boundary skips that
+start. A skipped start costs a cut; a wrong one would never be taken. The position right after the final
+assistant header is the prompt's end, which every pass cuts at anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def message_starts(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
+                   kwargs: Mapping[str, Any], prompt_text: str | None = None) -> tuple[int, ...]:
+    """Positions in `prompt` (the tokens of `messages` rendered with the generation prompt) where a message, or
+    the generated turn, starts; sorted, each inside (0, len(prompt)), only the ones proven by an exact prefix.
+    With `prompt_text` (the rendered prompt), a prefix whose text is not a prefix of it is skipped untokenized."""
+    found: set[int] = set()
+    for i in range(1, len(messages) + 1):
+        try:
+            text = tokenizer.render(messages[:i], add_generation_prompt=False, **kwargs)
+        except Exception as err:  # a template may refuse a prefix (e.g. one that must end with a user turn)
+            log.debug("no start after message %d: the template refused the prefix: %s", i, err)
+            continue
+        if prompt_text is not None and not prompt_text.startswith(text):
+            continue
+        ids = tokenizer.encode(text)
+        at = len(ids)
+        if 0 < at < len(prompt) and tuple(prompt[:at]) == tuple(ids):
+            found.add(at)
+    return tuple(sorted(found))
