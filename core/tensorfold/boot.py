@@ -25,6 +25,7 @@ from tensorfold.pool.slots import SlotPool
 from tensorfold.refusals import Refusal, raise_if_any
 from tensorfold.service import Service
 from tensorfold.settings import Settings
+from tensorfold.tiers.device import DeviceTier
 from tensorfold.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--page-rows {settings.page_rows} must be at least 1")
     if settings.parallel is not None and settings.parallel < 1:
         found.append(f"--parallel {settings.parallel} must be at least 1 (or auto)")
+    if settings.prompt_cache_gib < 0:
+        found.append(f"--prompt-cache-gib {settings.prompt_cache_gib} must be 0 (off) or above")
     if settings.kv_gib is not None and settings.kv_gib <= 0:
         found.append(f"--kv-gib {settings.kv_gib} must be above 0")
     if settings.dtype not in ("auto", *DTYPES):
@@ -158,14 +161,16 @@ def boot(settings: Settings, family: Family) -> Loaded:
     model = family.load(checkpoint, dtype, device)
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
     memory = build_memory(plan, declarations.layout, settings, device)
+    tier = DeviceTier(memory, int(settings.prompt_cache_gib * GIB)) if settings.prompt_cache_gib > 0 else None
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
-                    min_chunk=settings.min_chunk)
+                    min_chunk=settings.min_chunk, tier=tier)
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
                       request_starts=settings.switch(family.request_starts_switch),
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
-                            "poison": settings.switch("TF_KV_POISON")})
+                            "poison": settings.switch("TF_KV_POISON"),
+                            "prompt_cache_gib": settings.prompt_cache_gib})
     log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,
              checkpoint.directory, device, str(dtype).removeprefix("torch."), plan.parallel, settings.context,
              memory.kv.nbytes / 2**20, f"{plan.pages} pages of {plan.page_rows} rows"

@@ -18,6 +18,7 @@ from tensorfold.settings import (
     DEFAULT_MIN_CHUNK,
     DEFAULT_PAGE_ROWS,
     DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PROMPT_CACHE_GIB,
     SwitchError,
     read_settings,
 )
@@ -39,6 +40,9 @@ ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at 
 PageRowsOpt = Annotated[int, typer.Option("--page-rows", help="Rows (tokens) per KV page.")]
 KvGibOpt = Annotated[float | None, typer.Option("--kv-gib", help="KV budget in GiB (default: what the device "
                                                    "leaves after weights and a reserve).")]
+
+PromptCacheOpt = Annotated[float, typer.Option("--prompt-cache-gib", help="Kept prompt states (a next turn resumes "
+                                               "from them) in GiB of stream memory; 0 turns them off.")]
 
 
 def _parallel(value: str) -> int | None:
@@ -77,6 +81,7 @@ def serve(
     parallel: ParallelOpt = "auto",
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
     kv_gib: KvGibOpt = None,
+    prompt_cache_gib: PromptCacheOpt = DEFAULT_PROMPT_CACHE_GIB,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: dir name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
@@ -88,7 +93,7 @@ def serve(
                                      device=device, prefill_chunk=prefill_chunk, min_chunk=min_chunk,
                                      served_name=served_model_name,
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
-                                     kv_gib=kv_gib)
+                                     kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)

@@ -14,6 +14,7 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 2048
 DEFAULT_PAGE_ROWS = 256
 DEFAULT_MIN_CHUNK = 256  # a request start closer than this to the previous prefill cut merges into it
+DEFAULT_PROMPT_CACHE_GIB = 1.0  # kept prompt states (the device tier); 0 turns the tier off
 CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
     ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
@@ -61,6 +62,7 @@ class Settings:
     parallel: int | None = None
     page_rows: int = DEFAULT_PAGE_ROWS
     kv_gib: float | None = None
+    prompt_cache_gib: float = DEFAULT_PROMPT_CACHE_GIB
     cache_dir: Path = attrs.field(factory=lambda: cache_home(os.environ))
     switches: Mapping[str, bool] = attrs.field(factory=lambda: dict(CORE_SWITCHES), converter=dict)
 

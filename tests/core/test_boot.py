@@ -48,6 +48,22 @@ def test_boot_builds_a_service(example, tiny_dir):
     assert loaded.engine.memory.slots.count == 8 and loaded.engine.kv.pages == 8
 
 
+def test_the_prompt_cache_is_on_by_default_off_at_zero_and_refused_below(example, tiny_dir):
+    from tensorfold.settings import DEFAULT_PROMPT_CACHE_GIB
+    from tensorfold.tiers import DeviceTier
+
+    switches = {"TF_KV_PAGES": True, "TF_KV_POISON": False, "TF_EXAMPLE_REQUEST_STARTS": True}
+    loaded = boot(Settings(family="example", model=tiny_dir, context=64, switches=switches), example)
+    tier = loaded.engine.tier
+    assert isinstance(tier, DeviceTier) and tier.budget == int(DEFAULT_PROMPT_CACHE_GIB * 2**30)
+    assert loaded.engine.scheduler.tier is tier and "prompt_cache_states" in loaded.engine.snapshot()
+    off = boot(Settings(family="example", model=tiny_dir, context=64, prompt_cache_gib=0, switches=switches), example)
+    assert off.engine.tier is None and off.engine.scheduler.tier is None
+    with pytest.raises(Refused, match=r"--prompt-cache-gib -1.0 must be 0 \(off\) or above"):
+        boot(Settings(family="example", model=tiny_dir, context=64, prompt_cache_gib=-1.0, switches=switches),
+             example)
+
+
 def test_pages_off_gives_one_window_per_stream(example, tiny_dir):
     switches = {"TF_KV_PAGES": False, "TF_KV_POISON": True, "TF_EXAMPLE_REQUEST_STARTS": False}
     loaded = boot(Settings(family="example", model=tiny_dir, context=64, parallel=3, switches=switches), example)

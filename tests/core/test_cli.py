@@ -121,3 +121,10 @@ def test_explain_works_from_config_json_alone(tmp_path):
     assert plan["weights_bytes"] is None and plan["bytes_per_token"] > 0
     text = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "cfg")]).output
     assert "no weight files" in text
+
+
+def test_serve_refuses_a_negative_prompt_cache(tmp_path):
+    RUNNER.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    result = RUNNER.invoke(app, ["serve", "--family", "example", "--model", str(tmp_path / "m"),
+                                 "--prompt-cache-gib", "-1"])
+    assert result.exit_code == 2 and "--prompt-cache-gib -1.0 must be 0 (off) or above" in result.output, result.output

@@ -27,15 +27,18 @@ class StreamMemory:
         self.slots = slots
         self.pool = pool
 
-    def fits(self, rows: int) -> bool:
-        """A free slot and, with pages on, the pages `rows` rows need."""
-        return self.slots.free > 0 and (self.pool is None or self.pool.pages_for(rows) <= self.pool.available)
+    def fits(self, rows: int, shared: int = 0) -> bool:
+        """A free slot and, with pages on, the pages `rows` rows need beyond `shared` pages already held."""
+        return self.slots.free > 0 and (self.pool is None or self.pool.fits(rows, shared))
 
-    def take(self, owner: str, rows: int) -> Claim:
-        """Reserve a slot and the pages of `rows` rows; the slot's fixed states start at zero."""
-        lease = self.pool.lease(owner, rows) if self.pool is not None else None
+    def take(self, owner: str, rows: int, shared: tuple[int, ...] = ()) -> Claim:
+        """Reserve a slot and the pages of `rows` rows, the first of them `shared` (a kept state's full pages,
+        read only); the slot's fixed states start at zero."""
+        lease = self.pool.lease(owner, rows, shared) if self.pool is not None else None
         slot = self.slots.take()
         self.kv.clear(slot)
+        if shared and isinstance(self.kv, PagedStore):
+            self.kv.bind(slot, lease.pages)
         return Claim(slot, lease)
 
     def extend(self, claim: Claim, end: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from tensorfold.family import FamilyModel
 from tensorfold.service import QueueFull
 from tensorfold.settings import DEFAULT_MIN_CHUNK
 
+if TYPE_CHECKING:
+    from tensorfold.tiers.device import DeviceTier
+
 log = logging.getLogger(__name__)
 
 
@@ -24,10 +28,11 @@ class Engine:
     """Many streams share one memory and one step loop; the server only ever calls `submit`."""
 
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
-                 max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK) -> None:
+                 max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None) -> None:
         self.model = model
         self.memory = memory
-        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk)
+        self.tier = tier
+        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier)
         self.context = context
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -74,6 +79,8 @@ class Engine:
         """With nothing running, every page and slot must be back; a failure is logged and shown on /memory."""
         try:
             self.memory.check_integrity()
+            if self.tier is not None:
+                self.tier.check_integrity()
             if self.memory.slots.free != self.memory.slots.count:
                 raise AssertionError(f"{self.memory.slots.count - self.memory.slots.free} slots held with no stream")
             self.integrity = "ok"
@@ -120,6 +127,8 @@ class Engine:
         row = 0
         for stream, share in zip(streams, plan.streams, strict=True):
             stream.position = share.end
+            if share.start < stream.prompt_len:
+                self.scheduler.kept(stream, share.end)
             if share.sample:
                 self._sampled(stream, logits[row])
                 row += 1
@@ -147,7 +156,7 @@ class Engine:
 
     def _end(self, stream: Stream, reason: str) -> None:
         self.scheduler.finish(stream)
-        stream.request.on_event(DoneEvent(reason, stream.prompt_len, stream.produced, 0))
+        stream.request.on_event(DoneEvent(reason, stream.prompt_len, stream.produced, stream.cached))
 
     def _fail(self, stream: Stream, message: str) -> None:
         self.scheduler.finish(stream)
@@ -156,4 +165,5 @@ class Engine:
     def snapshot(self) -> dict[str, int]:
         """Streams and memory now, for /memory (read from another thread: numbers may be a step old)."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "integrity_when_idle": self.integrity, **self.memory.snapshot()}
+                "integrity_when_idle": self.integrity, **self.memory.snapshot(),
+                **(self.tier.describe() if self.tier is not None else {})}

@@ -12,7 +12,8 @@ from tensorfold.engine.sampler import Sampler
 @attrs.define
 class Stream:
     """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode,
-    `cuts` where its prefill is cut (engine/cuts.py, planned once at admission)."""
+    `cuts` where its prefill is cut (engine/cuts.py, planned once at admission), `cached` the prompt rows it
+    resumed from a kept state instead of prefilling, `keep_at` the cuts after which its state is kept."""
 
     request: Request
     claim: Claim
@@ -21,6 +22,8 @@ class Stream:
     position: int = 0
     produced: int = 0
     pending: int | None = None
+    cached: int = 0
+    keep_at: frozenset[int] = frozenset()
 
     @property
     def prompt_len(self) -> int:

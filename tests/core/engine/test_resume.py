@@ -1,0 +1,232 @@
+"""A conversation's next turn resumes from a kept state: each turn's reply is bitwise the reply a fresh engine
+with no prompt cache gives, `cached_tokens` is the resume row, and memory comes back exactly."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, Sampling, TokenEvent
+from tensorfold.engine.cuts import is_cut
+from tensorfold.engine.memory import StreamMemory
+from tensorfold.engine.runner import Engine
+from tensorfold.kv import PagedStore, WindowStore
+from tensorfold.pool.pages import PagePool
+from tensorfold.pool.slots import SlotPool
+from tensorfold.testing import kit
+from tensorfold.tiers import DeviceTier
+
+CONTEXT = 256
+CHUNK, MIN_CHUNK, PAGE_ROWS = 32, 8, 16
+REPLY = 10
+USERS = (45, 30, 27)  # each turn's new user message, in tokens
+
+
+def tokens(n: int, salt: int) -> tuple[int, ...]:
+    return tuple((i * 37 + salt * 13) % 500 + 3 for i in range(n))
+
+
+def memory(subject, parallel: int = 2, pages: bool = True, total: int | None = None) -> StreamMemory:
+    layout = subject.declarations.layout
+    if not pages:
+        return StreamMemory(WindowStore(layout, parallel, CONTEXT, poison=True), SlotPool(parallel), None)
+    total = total or parallel * -(-CONTEXT // PAGE_ROWS)
+    return StreamMemory(PagedStore(layout, parallel, total, PAGE_ROWS, poison=True), SlotPool(parallel),
+                        PagePool(total, PAGE_ROWS))
+
+
+class Client:
+    def __init__(self, name: str, prompt: tuple[int, ...], sampling: Sampling, starts=(), cancel_after=None):
+        self.tokens: list[int] = []
+        self.done: queue.Queue = queue.Queue()
+        self.cancel_after = cancel_after
+        self.request = Request(name, prompt, sampling, self.on_event, starts=starts)
+
+    def on_event(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.append(event.token_id)
+            if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
+                self.request.cancel()
+        else:
+            self.done.put(event)
+
+    def result(self) -> DoneEvent:
+        event = self.done.get(timeout=120)
+        assert not isinstance(event, ErrorEvent), event
+        return event
+
+
+def engine(subject, mem: StreamMemory, tier: DeviceTier | None) -> Engine:
+    return Engine(subject.model, mem, prefill_chunk=CHUNK, context=CONTEXT, max_waiting=8, min_chunk=MIN_CHUNK,
+                  tier=tier)
+
+
+def ask(eng: Engine, client: Client) -> DoneEvent:
+    eng.submit(client.request)
+    return client.result()
+
+
+def fresh(subject, prompt, sampling, starts) -> list[int]:
+    """The same request on a fresh engine with no prompt cache."""
+    eng = engine(subject, memory(subject), None)
+    eng.start()
+    try:
+        client = Client("fresh", prompt, sampling, starts)
+        assert ask(eng, client).cached_tokens == 0
+        return client.tokens
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def subject(example, tiny_dir):
+    return kit.load(example, tiny_dir)
+
+
+def converse(eng: Engine, sampling: Sampling, salt: int = 0, cancel_turn: int | None = None):
+    """Three turns, each prompt the last prompt + its reply + a new user message; starts at every message."""
+    prompt: tuple[int, ...] = ()
+    starts: tuple[int, ...] = ()
+    turns = []
+    for k, user in enumerate(USERS):
+        if prompt:
+            starts += (len(prompt),)  # the reply's start (the generated turn)
+            prompt += tuple(turns[-1][2])
+        starts += (len(prompt),) if prompt else ()
+        prompt += tokens(user, salt + k)
+        client = Client(f"t{k}", prompt, sampling, starts, cancel_after=3 if k == cancel_turn else None)
+        done = ask(eng, client)
+        turns.append((prompt, starts, client.tokens, done))
+    return turns
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.0, max_tokens=REPLY),
+                                      Sampling(temperature=0.9, top_p=0.95, seed=7, max_tokens=REPLY)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("pages", [True, False], ids=["pages", "windows"])
+def test_each_turn_resumes_and_equals_a_fresh_run(subject, sampling, pages):
+    mem = memory(subject, pages=pages)
+    tier = DeviceTier(mem, budget=1 << 30)
+    eng = engine(subject, mem, tier)
+    eng.start()
+    try:
+        turns = converse(eng, sampling)
+    finally:
+        eng.close()
+    previous = 0
+    for k, (prompt, starts, reply, done) in enumerate(turns):
+        assert len(reply) == REPLY and reply == fresh(subject, prompt, sampling, starts), f"turn {k} differs"
+        # it resumes at the end of the previous turn's prompt: a start, and a cut of its own cold pass
+        assert done.cached_tokens == previous and done.prompt_tokens == len(prompt)
+        assert previous == 0 or is_cut(previous, len(prompt), starts, CHUNK, MIN_CHUNK)
+        previous = len(prompt)
+    assert tier.hits == 2
+    mem.check_integrity()
+    tier.check_integrity()
+    if pages:
+        assert mem.pool.free + mem.pool.kept == mem.pool.total and mem.pool.kept > 0
+        assert mem.pool.snapshot()["leases"] == 0
+    tier.clear()
+    mem.check_integrity()
+    assert mem.slots.free == mem.slots.count and (mem.pool is None or mem.pool.free == mem.pool.total)
+
+
+def test_a_resume_shares_the_kept_pages_and_restores_them_byte_equal(subject):
+    """Admission by hand: the resumer's slot holds, at the resume row, exactly the rows the source held."""
+    from tensorfold.engine.scheduler import Scheduler
+
+    mem = memory(subject)
+    tier = DeviceTier(mem, budget=1 << 30)
+    eng = engine(subject, mem, tier)
+    eng.start()
+    try:
+        turns = converse(eng, Sampling(temperature=0.0, max_tokens=REPLY))[:1]
+    finally:
+        eng.close()
+    prompt, starts, reply, _ = turns[0]
+    scheduler = Scheduler(mem, CONTEXT, CHUNK, MIN_CHUNK, tier)
+    longer = prompt + tuple(reply) + tokens(20, 9)
+    scheduler.waiting.append(Request("r", longer, Sampling(max_tokens=4), lambda e: None,
+                                     starts=starts + (len(prompt), len(prompt) + len(reply))))
+    (stream,) = scheduler.admit()
+    # turn 2 kept its state at its reply's start (a start cut): the longest prefix this prompt may resume from
+    assert stream.position == stream.cached == len(prompt) + len(reply)
+    state = next(s for s in tier.states if s.at == stream.cached)
+    assert stream.claim.lease.pages[: len(state.pages)] == list(state.pages)
+    kv = mem.kv
+    for i, layer in enumerate(kv.layout.layers):
+        for spec in layer.rows:
+            restored = kv.rows(i, spec.name, stream.claim.slot, state.at)[state.tail_start:]
+            kept = next(t for j, n, t in state.tail if (j, n) == (i, spec.name))
+            assert restored.reshape(-1).view(torch.uint8).equal(kept.reshape(-1).view(torch.uint8))
+    scheduler.finish(stream)
+    mem.check_integrity()
+    tier.check_integrity()
+
+
+def test_a_budget_too_small_to_keep_anything_prefills_in_full_with_the_same_replies(subject):
+    sampling = Sampling(temperature=0.0, max_tokens=REPLY)
+    mem = memory(subject)
+    tier = DeviceTier(mem, budget=1)
+    eng = engine(subject, mem, tier)
+    eng.start()
+    try:
+        turns = converse(eng, sampling, salt=3)
+    finally:
+        eng.close()
+    for prompt, starts, reply, done in turns:
+        assert done.cached_tokens == 0 and reply == fresh(subject, prompt, sampling, starts)
+    assert len(tier) == 0 and tier.hits == 0
+    mem.check_integrity()
+    assert mem.pool.free == mem.pool.total
+
+
+def test_kept_states_give_way_when_a_lease_does_not_fit(subject):
+    """A pool just big enough for one stream: kept pages are evicted so the next request is admitted, and the
+    replies do not change."""
+    sampling = Sampling(temperature=0.0, max_tokens=REPLY)
+    total = -(-(sum(USERS) + 3 * REPLY) // PAGE_ROWS) + 1
+    mem = memory(subject, parallel=1, total=total)
+    tier = DeviceTier(mem, budget=1 << 30)
+    eng = engine(subject, mem, tier)
+    eng.start()
+    try:
+        turns = converse(eng, sampling, salt=5)
+        other = Client("other", tokens(sum(USERS) + 2 * REPLY, 77), sampling)
+        assert ask(eng, other).cached_tokens == 0
+    finally:
+        eng.close()
+    for prompt, starts, reply, _ in turns:
+        assert reply == fresh(subject, prompt, sampling, starts)
+    assert other.tokens == fresh(subject, other.request.prompt, sampling, ())
+    assert tier.evicted > 0
+    mem.check_integrity()
+    tier.check_integrity()
+    assert mem.pool.free + mem.pool.kept == mem.pool.total
+
+
+def test_a_cancelled_resuming_stream_gives_back_only_its_own_hold(subject):
+    sampling = Sampling(temperature=0.0, max_tokens=REPLY)
+    mem = memory(subject)
+    tier = DeviceTier(mem, budget=1 << 30)
+    eng = engine(subject, mem, tier)
+    eng.start()
+    try:
+        turns = converse(eng, sampling, salt=2, cancel_turn=1)
+        assert turns[1][3].finish_reason == "cancelled" and turns[1][3].cached_tokens == len(turns[0][0])
+        mem.check_integrity()
+        tier.check_integrity()
+        again = Client("again", turns[1][0], sampling, turns[1][1])  # turn 2 asked again resumes once more
+        done = ask(eng, again)
+    finally:
+        eng.close()
+    assert done.cached_tokens >= len(turns[0][0])
+    assert again.tokens == fresh(subject, turns[1][0], sampling, turns[1][1])
+    assert turns[1][2] == again.tokens[: len(turns[1][2])]
+    mem.check_integrity()
+    tier.check_integrity()
+    assert mem.pool.free + mem.pool.kept == mem.pool.total
+    tier.clear()
+    assert mem.pool.free == mem.pool.total
