@@ -20,10 +20,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.gated_delta import naive
+from tensorfold.kernels.gated_delta.naive import l2norm, recurrent_step
 from tensorfold_qwen.config import QwenConfig
 from tensorfold_qwen.layers import gated_rms_norm
-
-CHUNK = 64          # the chunked form's block, as in HF's torch fallback and fla
 
 
 @attrs.frozen
@@ -82,75 +82,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> to
     return F.silu(out).transpose(0, 1)                                             # [T, C]
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """x · rsqrt(Σx² + 1e-6) over the last dim (float32)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
-def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> torch.Tensor:
-    """One token of the delta rule, float32. q, k [NV, DK]; v [NV, DV]; g, beta [NV]; state [NV, DK, DV] in place.
-    Returns the output [NV, DV]."""
-    state.mul_(g.exp()[:, None, None])                                             # decay
-    predicted = (state * k[:, :, None]).sum(1)                                     # [NV, DV]: Sᵀk
-    delta = (v - predicted) * beta[:, None]                                        # [NV, DV]
-    state.add_(k[:, :, None] * delta[:, None, :])                                  # S += k ⊗ delta
-    return (state * q[:, :, None]).sum(1)                                          # [NV, DV]: Sᵀq
-
-
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, start: int) -> torch.Tensor:
-    """The delta rule over T > 1 rows in chunks of CHUNK on the absolute grid, float32.
-
-    q, k [T, NV, DK]; v [T, NV, DV]; g, beta [T, NV]; state [NV, DK, DV] read and written in place.
-    Rows are padded with zeros in front (start % CHUNK) and behind up to the grid; a zero row (k = v = 0,
-    beta = g = 0) leaves the state and every other row's output exactly as they were.
-    """
-    T = q.shape[0]
-    lead = start % CHUNK
-    trail = -(lead + T) % CHUNK
-
-    def blocks(t: torch.Tensor) -> torch.Tensor:                                   # [T, NV, ...] -> [NV, N, CHUNK, ...]
-        t = F.pad(t, [0, 0] * (t.dim() - 1) + [lead, trail])
-        t = t.reshape(-1, CHUNK, *t.shape[1:])                                     # [N, CHUNK, NV, ...]
-        return t.movedim(2, 0)
-
-    q, k, v, g, beta = (blocks(t) for t in (q, k, v, g, beta))                     # [NV, N, CHUNK, ...]
-    out, final = delta_rule_blocks(q, k, v, g, beta, state)
+    """The delta rule over T > 1 rows in chunks of CHUNK on the absolute grid (the kernels' naive form), float32;
+    the state is read and written in place."""
+    out, final = naive.chunked(q, k, v, g, beta, state, start)
     state.copy_(final)
-    heads, v_dim = out.shape[0], out.shape[-1]
-    out = out.movedim(0, 2).reshape(-1, heads, v_dim)                              # [N·CHUNK, NV, DV]
-    return out[lead: lead + T]
-
-
-def delta_rule_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked (UT-transform) delta rule. q, k [NV, N, L, DK]; v [NV, N, L, DV]; g, beta [NV, N, L];
-    state [NV, DK, DV]. Returns the outputs [NV, N, L, DV] and the final state [NV, DK, DV].
-
-    Within a block, with G_i the cumulative log decay up to row i and Γ_ij = exp(G_i - G_j) for j <= i:
-        (I + A) U = beta·v,   (I + A) W = beta·k·exp(G),   A_ij = beta_i (k_i·k_j) Γ_ij  for j < i
-    then block by block, from the state S entering it:
-        V' = U - W S;   out = exp(G)·q S + (q kᵀ ∘ Γ) V';   S <- exp(G_L) S + (k·exp(G_L - G))ᵀ V'
-    """
-    L = q.shape[2]
-    lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()            # j <= i
-    cumulative = g.cumsum(-1)                                                      # [NV, N, L]
-    gaps = (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~lower, float("-inf"))
-    decay = gaps.exp()                                                             # [NV, N, L, L]: Γ, 0 above
-    k_beta = k * beta[..., None]                                                   # [NV, N, L, DK]
-    system = (k_beta @ k.transpose(-1, -2)) * decay                                # A (its diagonal is ignored)
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cumulative.exp()[..., None], upper=False,
-                                      unitriangular=True)
-    scores = (q @ k.transpose(-1, -2)) * decay                                     # [NV, N, L, L]
-    q_decayed = q * cumulative.exp()[..., None]                                    # [NV, N, L, DK]
-    k_to_end = k * (cumulative[..., -1:] - cumulative).exp()[..., None]            # [NV, N, L, DK]
-    block_decay = cumulative[..., -1].exp()[..., None, None]                       # [NV, N, 1, 1]
-    s = state.float()
-    out = torch.empty_like(u)
-    for n in range(q.shape[1]):
-        fresh = u[:, n] - w[:, n] @ s                                              # [NV, L, DV]
-        out[:, n] = q_decayed[:, n] @ s + scores[:, n] @ fresh
-        s = s * block_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ fresh
-    return out, s
+    return out

@@ -16,12 +16,12 @@ from safetensors.torch import save_file
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
+from tensorfold.kernels.gated_delta.naive import CHUNK
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
 from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
 from tensorfold_qwen import load as loader
 from tensorfold_qwen.config import FULL, MODEL_TYPES, SERVED_DTYPES, QwenConfig, unsupported
-from tensorfold_qwen.gdn import CHUNK
 from tensorfold_qwen.model import CONV, KEYS, RECURRENT, VALUES, QwenModel
 
 IMAGE_FORMAT = "qwen3_5-hybrid"
