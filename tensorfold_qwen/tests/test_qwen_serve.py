@@ -4,56 +4,25 @@ client, an image is refused by name, and `tensorfold explain` prices the default
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
 from tensorfold.cli import app
+from tensorfold.testing.process import serving, tail
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     cache = tmp_path_factory.mktemp("qwen-cache")
-    port = free_port()
-    log = open(cache / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "qwen", "--port", str(port),
-                             "--context", "512", "--parallel", "4"],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "XDG_CACHE_HOME": str(cache), "TF_KV_POISON": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise RuntimeError("server did not start")
+    log = cache / "server.log"
+    with serving(["--family", "qwen", "--context", "512", "--parallel", "4"], log,
+                 env={"XDG_CACHE_HOME": str(cache), "TF_KV_POISON": "1"}) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.seek(0)
-        text = log.read()
-        print(text[-3000:])
-        assert "wrote the embedded default of family qwen" in text
+    assert "wrote the embedded default of family qwen" in tail(log)
 
 
 def client(base: str) -> openai.OpenAI:

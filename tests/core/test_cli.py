@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 from typer.testing import CliRunner
 
 from tensorfold.cli import app
+from tensorfold.testing.process import serving, tail
 
 RUNNER = CliRunner()
 
@@ -79,34 +78,14 @@ def test_serve_refuses_a_bad_switch_value(tmp_path):
     assert proc.returncode == 2 and "TF_EXAMPLE_REQUEST_STARTS='maybe'" in proc.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_without_a_model_serves_the_embedded_default(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "example", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+    log = tmp_path / "log"
+    with serving(["--family", "example"], log, env={"XDG_CACHE_HOME": str(tmp_path)}) as url:
+        reply = httpx.post(f"{url}/v1/completions", timeout=60,
                            json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    log.seek(0)
-    text = log.read()
+    text = tail(log)
     assert "wrote the embedded default of family example" in text, text
     assert (tmp_path / "tensorfold" / "embedded").is_dir()
 

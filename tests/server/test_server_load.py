@@ -4,8 +4,6 @@ every page back in the pool afterwards (pages poisoned with NaN the whole time).
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +12,9 @@ import httpx
 import openai
 import pytest
 
+from tensorfold.testing.process import serving
+
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,29 +22,10 @@ def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("load")
     subprocess.run([sys.executable, "-m", "tensorfold", "make-tiny", "--family", "example", str(directory / "m")],
                    check=True, capture_output=True)
-    port = free_port()
-    log = open(directory / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "example", "--model",
-                             str(directory / "m"), "--port", str(port), "--parallel", "8", "--page-rows", "16",
-                             "--context", "512", "--prefill-chunk", "64"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TF_KV_POISON": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise RuntimeError("server did not start")
+    args = ["--family", "example", "--model", str(directory / "m"), "--parallel", "8", "--page-rows", "16",
+            "--context", "512", "--prefill-chunk", "64"]
+    with serving(args, directory / "server.log", env={"TF_KV_POISON": "1"}) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.seek(0)
-        print(log.read()[-4000:])
 
 
 def job(i: int) -> dict:
