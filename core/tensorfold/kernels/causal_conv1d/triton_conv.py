@@ -13,25 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels.triton_rounding import round_to
+
 MAX_PREFILL_K = 4           # the prefill kernel keeps K-1 <= 3 rows of history in registers
-
-
-@triton.jit
-def _round(v, ty: tl.constexpr):
-    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
-    if ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return v.to(ty).to(tl.float32)
 
 
 @triton.jit
 def _silu_rounded(acc, ty: tl.constexpr):
     """The conv result rounded to the output dtype (F.conv1d's output), then SiLU in float32, rounded again."""
-    v = _round(acc, ty)
-    return _round(v / (1.0 + tl.exp(-v)), ty)
+    v = round_to(acc, ty)
+    return round_to(v / (1.0 + tl.exp(-v)), ty)
 
 
 @triton.jit

@@ -11,16 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(v, ty: tl.constexpr):
-    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
-    if ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return v.to(ty).to(tl.float32)
+from tensorfold.kernels.triton_rounding import round_to
 
 
 @triton.jit
@@ -35,14 +26,14 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stri
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = _round(x + r, ty)
+        x = round_to(x + r, ty)
         tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))           # [BN]
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         w = 1.0 + w
     out = (x * rstd[:, None]) * w[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _round(out, ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], round_to(out, ty), mask=mask)
 
 
 @triton.jit
@@ -55,14 +46,14 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_
     ty = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
-    normed = _round(x * rstd[:, None], ty)                                         # x̂ in x's dtype
+    normed = round_to(x * rstd[:, None], ty)                                         # x̂ in x's dtype
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     wn = w[None, :] * normed
     if ROUND_WN:                                                                   # w · x̂ is in x's dtype
-        wn = _round(wn, ty)
+        wn = round_to(wn, ty)
     z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = wn * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _round(out, ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], round_to(out, ty), mask=mask)
 
 
 def _blocks(N: int, D: int) -> tuple[int, int, int, tuple[int]]:

@@ -15,18 +15,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tensorfold.kernels.triton_rounding import round_to
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"      # libdevice has no interpreter version
-
-
-@triton.jit
-def _round(v, ty: tl.constexpr):
-    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
-    if ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return v.to(ty).to(tl.float32)
 
 
 @triton.jit
@@ -44,14 +35,14 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, H, D, stride_xn, stride_xh, 
         cos, sin = libdevice.cos(angle), libdevice.sin(angle)
     else:
         cos, sin = tl.cos(angle), tl.sin(angle)
-    cos, sin = _round(cos, ty)[None, :], _round(sin, ty)[None, :]                  # [1, BR] in x's dtype
+    cos, sin = round_to(cos, ty)[None, :], round_to(sin, ty)[None, :]                  # [1, BR] in x's dtype
     mask = h_ok[:, None] & (half < HALF)[None, :]
     x_row = x_ptr + n * stride_xn + heads[:, None] * stride_xh                     # [BH, 1]
     o_row = out_ptr + n * stride_on + heads[:, None] * stride_oh
     first = tl.load(x_row + half[None, :], mask=mask, other=0.0).to(tl.float32)
     second = tl.load(x_row + HALF + half[None, :], mask=mask, other=0.0).to(tl.float32)
-    out_first = _round(_round(first * cos, ty) + _round(-second * sin, ty), ty)
-    out_second = _round(_round(second * cos, ty) + _round(first * sin, ty), ty)
+    out_first = round_to(round_to(first * cos, ty) + round_to(-second * sin, ty), ty)
+    out_second = round_to(round_to(second * cos, ty) + round_to(first * sin, ty), ty)
     tl.store(o_row + half[None, :], out_first, mask=mask)
     tl.store(o_row + HALF + half[None, :], out_second, mask=mask)
     if BLOCK_PASS > 0:                                                             # the non-rotary tail

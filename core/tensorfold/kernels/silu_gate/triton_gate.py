@@ -12,16 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(v, ty: tl.constexpr):
-    """float32 v rounded to nearest-even in dtype ty, kept as float32 (exact when stored as ty)."""
-    if ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return v.to(ty).to(tl.float32)
+from tensorfold.kernels.triton_rounding import round_to
 
 
 @triton.jit
@@ -35,10 +26,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, stride_g, stride_u, stride_o, lim
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_LIMIT:
-        g = _round(tl.minimum(g, limit), ty)
-        u = _round(tl.minimum(tl.maximum(u, -limit), limit), ty)
-    silu = _round(g / (1.0 + tl.exp(-g)), ty)
-    tl.store(out_ptr + row * stride_o + cols, _round(silu * u, ty), mask=mask)
+        g = round_to(tl.minimum(g, limit), ty)
+        u = round_to(tl.minimum(tl.maximum(u, -limit), limit), ty)
+    silu = round_to(g / (1.0 + tl.exp(-g)), ty)
+    tl.store(out_ptr + row * stride_o + cols, round_to(silu * u, ty), mask=mask)
 
 
 @triton.jit
@@ -51,8 +42,8 @@ def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, F, stride_x, stride_g, stride_gf,
     ty = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * stride_g + cols * stride_gf, mask=mask, other=0.0).to(tl.float32)
-    gate = _round(1.0 / (1.0 + tl.exp(-g)), ty)
-    tl.store(out_ptr + row * stride_o + cols, _round(x * gate, ty), mask=mask)
+    gate = round_to(1.0 / (1.0 + tl.exp(-g)), ty)
+    tl.store(out_ptr + row * stride_o + cols, round_to(x * gate, ty), mask=mask)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
