@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tensorfold.engine.graphs import DecodeRunner
 from tensorfold.kv import PagedStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
@@ -29,6 +30,7 @@ DEVICE = "cuda"
 SHAPES = {
     # name: (family, HF config class, HF model class, overrides)
     "qwen3_5-9b": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5-moe-35b": ("qwen", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {}),
     "qwen3_5-tiny": ("qwen", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                      {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                       "head_dim": 32, "intermediate_size": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -54,11 +56,12 @@ class TensorsCheckpoint:
         yield from self._tensors.items()
 
 
-def emit(out: Path | None, **record: object) -> None:
+def emit(out: Path | None, jsonl: str = "gpu.jsonl", **record: object) -> None:
+    """Print one measurement as a JSON line, and append it to out/jsonl."""
     line = json.dumps(record)
     print(line, flush=True)
     if out is not None:
-        with open(out / "gpu.jsonl", "a") as handle:
+        with open(out / jsonl, "a") as handle:
             handle.write(line + "\n")
 
 
@@ -103,8 +106,13 @@ def build(shape: str, dtype: torch.dtype):
 
     family_name, config_class, model_class, overrides = SHAPES[shape]
     config = getattr(transformers, config_class)(**overrides)
-    with torch.device(DEVICE):
-        hf = getattr(transformers, model_class)(config).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)                      # built in the target dtype: a 35B model has no room twice
+    try:
+        with torch.device(DEVICE):
+            hf = getattr(transformers, model_class)(config).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
     family = load_families([family_name])[family_name]
     config_dict = config.to_dict()
     checkpoint = TensorsCheckpoint(config_dict, dict(hf.state_dict()))
@@ -122,19 +130,22 @@ def our_store(layout, streams: int, rows: int, page_rows: int = 256) -> PagedSto
     return store
 
 
-def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int) -> float:
-    """Seconds per decode step for `batch` streams after a `prompt`-row prefill each."""
-    store = our_store(layout, batch, prompt + steps + 1)
+def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int, graphs: bool) -> float:
+    """Seconds per decode step for `batch` streams after a `prompt`-row prefill each, through the engine's decode
+    runner (CUDA graph replay, or the same decode eagerly)."""
+    context = prompt + 2 * steps + 2
+    store = our_store(layout, batch, context)
     tokens = torch.randint(0, ours.vocab_size, (batch, prompt)).tolist()
     for slot in range(batch):
         for a in range(0, prompt, chunk):
             ours.forward(StepPlan((StreamStep(slot, a, tokens[slot][a: a + chunk]),)), store)
-
+    runner = DecodeRunner(ours, store, (batch,), context, graphs=graphs)
+    runner.capture()
     position = [prompt]
 
     def step() -> None:
         plan = StepPlan(tuple(StreamStep(s, position[0], (7,)) for s in range(batch)))
-        ours.forward(plan, store)
+        runner.forward(plan, store)
         position[0] += 1
 
     step()
@@ -144,6 +155,20 @@ def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int) ->
         step()
     sync()
     return (time.perf_counter() - start) / steps
+
+
+def bytes_per_step(hf, config, batch_one: bool = True) -> int:
+    """Weight bytes one decode step of one stream reads: every parameter but the embedding table (one row is
+    read) and, in a MoE, the experts the token does not choose."""
+    total = sum(p.numel() * p.element_size() for p in hf.parameters())
+    embed = hf.get_input_embeddings().weight
+    if embed.data_ptr() != hf.get_output_embeddings().weight.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    experts = getattr(config, "num_experts", 0)
+    if experts:
+        expert_bytes = sum(p.numel() * p.element_size() for name, p in hf.named_parameters() if ".experts." in name)
+        total -= expert_bytes * (experts - config.num_experts_per_tok) // experts
+    return total
 
 
 def hf_decode(hf, batch: int, prompt: int, steps: int) -> float:
@@ -176,6 +201,15 @@ def hf_prefill(hf, rows: int) -> float:
     return timed(lambda: hf(ids, use_cache=True, logits_to_keep=1), repeats=2)
 
 
+def prefill_flops(active_params: int, config, rows: int) -> float:
+    """Model FLOPs of a `rows`-token prefill from position 0: 2 per active weight per token (embedding table out,
+    unchosen experts out) plus causal attention, 2·H·D·rows² per attention layer (QKᵀ and PV, half the square
+    each); the GDN recurrence is left out, so MFU errs low."""
+    attention_layers = sum(1 for kind in config.layer_types if kind == "full_attention")
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    return 2 * active_params * rows + attention_layers * 2 * heads * head_dim * rows * rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="GPU benchmark: ours vs HF at real shapes")
     parser.add_argument("--shape", default="qwen3_5-9b", choices=sorted(SHAPES))
@@ -186,6 +220,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode measurement")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     global DEVICE
@@ -194,24 +229,30 @@ def main() -> None:
     bandwidth, peak = hardware(args.out)
     hf, ours, layout, params, config = build(args.shape, torch.bfloat16)
     weights = params * 2
+    read = bytes_per_step(hf, config)
     emit(args.out, bench="model", shape=args.shape, params=params, weights_bytes=weights,
-         layout_bytes_per_token=layout.bytes_per_token, layout_fixed_bytes=layout.fixed_bytes)
+         decode_weight_bytes_read=read, layout_bytes_per_token=layout.bytes_per_token,
+         layout_fixed_bytes=layout.fixed_bytes)
     with torch.inference_mode():
         for batch in args.batches:
-            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk)
+            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk, graphs=True)
+            eager_s = None if args.no_eager else our_decode(ours, layout, batch, args.prompt, args.steps,
+                                                            args.chunk, graphs=False)
             hf_s = None if args.no_hf else hf_decode(hf, batch, args.prompt, args.steps)
             record = {"bench": "decode", "shape": args.shape, "batch": batch, "ours_tok_s": round(batch / ours_s, 1),
+                      "ours_eager_tok_s": None if eager_s is None else round(batch / eager_s, 1),
                       "hf_tok_s": None if hf_s is None else round(batch / hf_s, 1)}
             if hf_s is not None:
                 record["speedup"] = round(hf_s / ours_s, 2)
             if batch == 1:
-                moved = weights + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
+                moved = read + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
                 record["hbm_limit_fraction"] = round(moved / bandwidth / ours_s, 3)
+                record["step_ms"] = round(ours_s * 1e3, 3)
             emit(args.out, **record)
         for rows in args.prefill:
             ours_s = our_prefill(ours, layout, rows, args.chunk)
             hf_s = None if args.no_hf else hf_prefill(hf, rows)
-            flops = 2 * params * rows
+            flops = prefill_flops(read // 2, config, rows)
             record = {"bench": "prefill", "shape": args.shape, "rows": rows, "ours_tok_s": round(rows / ours_s, 1),
                       "ours_mfu": round(flops / ours_s / peak, 3)}
             if hf_s is not None:

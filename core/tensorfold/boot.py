@@ -13,12 +13,21 @@ import torch
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.engine.api import Sampling
+from tensorfold.engine.graphs import DecodeRunner, batch_sizes, has_decode
 from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
-from tensorfold.family import Declarations, Family
+from tensorfold.family import Declarations, Family, FamilyModel
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import Layout
-from tensorfold.memory_plan import GIB, MemoryPlan, default_budget, plan_memory
+from tensorfold.memory_plan import (
+    GIB,
+    HOST_CACHE_SHARE,
+    MemoryPlan,
+    default_budget,
+    default_host_cache,
+    plan_memory,
+    size,
+)
 from tensorfold.plugins import installed_names, load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
@@ -26,6 +35,7 @@ from tensorfold.refusals import Refusal, raise_if_any
 from tensorfold.service import Service
 from tensorfold.settings import Settings
 from tensorfold.tiers.device import DeviceTier
+from tensorfold.tiers.host import HostTier
 from tensorfold.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -73,6 +83,8 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--parallel {settings.parallel} must be at least 1 (or auto)")
     if settings.prompt_cache_gib < 0:
         found.append(f"--prompt-cache-gib {settings.prompt_cache_gib} must be 0 (off) or above")
+    if settings.host_cache_gib is not None and settings.host_cache_gib < 0:
+        found.append(f"--host-cache-gib {settings.host_cache_gib} must be 0 (off) or above")
     if settings.kv_gib is not None and settings.kv_gib <= 0:
         found.append(f"--kv-gib {settings.kv_gib} must be above 0")
     if settings.dtype not in ("auto", *DTYPES):
@@ -143,10 +155,46 @@ def build_memory(plan: MemoryPlan, layout: Layout, settings: Settings, device: t
     return StreamMemory(store, slots, PagePool(plan.pages, plan.page_rows))
 
 
+def host_cache_bytes(settings: Settings) -> int:
+    """The host tier's budget: --host-cache-gib, else a share of available RAM (read here, once)."""
+    if settings.host_cache_gib is not None:
+        return int(settings.host_cache_gib * GIB)
+    return default_host_cache()
+
+
+def build_tiers(settings: Settings, memory: StreamMemory, host_bytes: int) -> tuple[DeviceTier | None,
+                                                                                    HostTier | None]:
+    """The device tier (--prompt-cache-gib) and the host tier below it (`host_bytes`); 0 turns either off."""
+    device = DeviceTier(memory, int(settings.prompt_cache_gib * GIB)) if settings.prompt_cache_gib > 0 else None
+    host = HostTier(memory, host_bytes) if host_bytes > 0 else None
+    return device, host
+
+
+def tiers_line(settings: Settings, host_bytes: int, pinned: bool) -> str:
+    """The tiers' budgets for the startup log."""
+    device = "device tier off" if settings.prompt_cache_gib <= 0 else \
+        f"{size(settings.prompt_cache_gib * GIB)} on the device"
+    if host_bytes <= 0:
+        return f"{device}, host tier off"
+    share = f" ({HOST_CACHE_SHARE:.0%} of available RAM)" if settings.host_cache_gib is None else ""
+    return f"{device}, {size(host_bytes)} of {'pinned ' if pinned else ''}host memory{share}"
+
+
 def checkpoint_of(settings: Settings, family: Family, require_weights: bool = True) -> Checkpoint:
     """The checkpoint `--model` names, or the family's embedded default."""
     directory = settings.model if settings.model is not None else embedded_checkpoint(family, settings.cache_dir)
     return Checkpoint(Path(directory), require_weights=require_weights)
+
+
+def decode_runner(model: FamilyModel, memory: StreamMemory, parallel: int, settings: Settings) -> FamilyModel:
+    """On the GPU, a model with a tensor-only `decode` runs its decode steps on padded static buffers, replayed
+    from CUDA graphs unless TF_CUDA_GRAPHS is off (engine/graphs.py); elsewhere the family's forward alone."""
+    if memory.kv.device.type != "cuda" or not has_decode(model):
+        return model
+    runner = DecodeRunner(model, memory.kv, batch_sizes(parallel), settings.context,
+                          graphs=settings.switch("TF_CUDA_GRAPHS"))
+    runner.capture()
+    return runner
 
 
 def boot(settings: Settings, family: Family) -> Loaded:
@@ -161,19 +209,23 @@ def boot(settings: Settings, family: Family) -> Loaded:
     model = family.load(checkpoint, dtype, device)
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
     memory = build_memory(plan, declarations.layout, settings, device)
-    tier = DeviceTier(memory, int(settings.prompt_cache_gib * GIB)) if settings.prompt_cache_gib > 0 else None
+    model = decode_runner(model, memory, plan.parallel, settings)
+    host_bytes = host_cache_bytes(settings)
+    tier, host = build_tiers(settings, memory, host_bytes)
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
-                    min_chunk=settings.min_chunk, tier=tier)
+                    min_chunk=settings.min_chunk, tier=tier, host=host)
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
                       request_starts=settings.switch(family.request_starts_switch),
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON"),
-                            "prompt_cache_gib": settings.prompt_cache_gib})
+                            "prompt_cache_gib": settings.prompt_cache_gib, "host_cache_bytes": host_bytes,
+                            "host_cache_pinned": host is not None and host.pin})
     log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,
              checkpoint.directory, device, str(dtype).removeprefix("torch."), plan.parallel, settings.context,
              memory.kv.nbytes / 2**20, f"{plan.pages} pages of {plan.page_rows} rows"
              if settings.switch("TF_KV_PAGES") else "one window per stream")
+    log.info("kept prompt states: %s", tiers_line(settings, host_bytes, host is not None and host.pin))
     return Loaded(settings=settings, family=family, checkpoint=checkpoint, declarations=declarations,
                   device=device, dtype=dtype, service=service, engine=engine)

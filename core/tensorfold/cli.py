@@ -43,6 +43,9 @@ KvGibOpt = Annotated[float | None, typer.Option("--kv-gib", help="KV budget in G
 
 PromptCacheOpt = Annotated[float, typer.Option("--prompt-cache-gib", help="Kept prompt states (a next turn resumes "
                                                "from them) in GiB of stream memory; 0 turns them off.")]
+HostCacheOpt = Annotated[float | None, typer.Option("--host-cache-gib", help="Kept prompt states in GiB of host "
+                                                    "memory (pinned on CUDA), where the device tier's evicted "
+                                                    "states go; default a quarter of available RAM; 0 turns it off.")]
 
 
 def _parallel(value: str) -> int | None:
@@ -82,6 +85,7 @@ def serve(
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
     kv_gib: KvGibOpt = None,
     prompt_cache_gib: PromptCacheOpt = DEFAULT_PROMPT_CACHE_GIB,
+    host_cache_gib: HostCacheOpt = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: dir name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
@@ -93,7 +97,8 @@ def serve(
                                      device=device, prefill_chunk=prefill_chunk, min_chunk=min_chunk,
                                      served_name=served_model_name,
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
-                                     kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib)
+                                     kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib,
+                                     host_cache_gib=host_cache_gib)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)
@@ -150,6 +155,7 @@ def explain(
     parallel: ParallelOpt = "auto",
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
     kv_gib: KvGibOpt = None,
+    host_cache_gib: HostCacheOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the memory plan for a checkpoint without serving it."""
@@ -157,7 +163,8 @@ def explain(
 
     try:
         settings, chosen = _settings(family, model=model, context=context, dtype=dtype, device=device,
-                                     parallel=_parallel(parallel), page_rows=page_rows, kv_gib=kv_gib)
+                                     parallel=_parallel(parallel), page_rows=page_rows, kv_gib=kv_gib,
+                                     host_cache_gib=host_cache_gib)
         plan = serving_plan(settings, chosen)
     except (PluginError, Refused, SwitchError, OSError, ValueError) as err:
         _fail(err)

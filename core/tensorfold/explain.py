@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tensorfold.boot import all_refusals, checkpoint_of, memory_plan, resolve_device, resolve_dtype
+from tensorfold.boot import all_refusals, checkpoint_of, host_cache_bytes, memory_plan, resolve_device, resolve_dtype
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
@@ -35,6 +35,7 @@ def serving_plan(settings: Settings, family: Family) -> dict[str, Any]:
         "bytes_per_token": layout.bytes_per_token, "fixed_bytes_per_stream": layout.fixed_bytes,
         "by_kind": layout.by_kind(), "stream_bytes_at_context": layout.stream_bytes(settings.context),
         "memory": memory.describe() if memory is not None else None,
+        "host_cache_bytes": max(0, host_cache_bytes(settings)),
         "refusals": [f"[{r.source}] {r.message}" for r in refusals],
     }
 
@@ -58,6 +59,9 @@ def plan_text(plan: dict[str, Any]) -> str:
         lines.append(f"KV budget          {m['budget_bytes'] / MIB:10.2f} MiB → {m['parallel']} streams, "
                      f"{m['pages']} pages of {m['page_rows']} rows ({m['page_bytes'] / MIB:.2f} MiB each), "
                      f"{m['kv_bytes'] / MIB:.2f} MiB held")
+    host = plan["host_cache_bytes"]
+    lines.append(f"host tier          {host / MIB:10.2f} MiB of kept prompt states" if host else
+                 "host tier          off")
     for kind, entry in plan["by_kind"].items():
         lines.append(f"  {kind:<16} {entry['layers']:3d} layers · {entry['bytes_per_token']:8.0f} B/token · "
                      f"{entry['fixed_bytes'] / MIB:8.2f} MiB fixed")

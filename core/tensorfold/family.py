@@ -25,7 +25,9 @@ class PluginError(Exception):
 
 @runtime_checkable
 class FamilyModel(Protocol):
-    """What `family_load` returns: a model whose forward consumes a step plan."""
+    """What `family_load` returns: a model whose forward consumes a step plan. It may also offer
+    `decode(batch: DecodeBatch, kv) -> [B, V]`, a tensor-only decode step the core captures in CUDA graphs on a
+    GPU (docs/hooks.md, engine/graphs.py)."""
 
     vocab_size: int
 

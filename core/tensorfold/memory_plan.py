@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import attrs
 
@@ -18,6 +19,8 @@ GIB = 2**30
 AUTO_PARALLEL_CAP = 8
 CPU_BUDGET_SHARE = 0.25
 CUDA_RESERVE_BYTES = 2 * GIB
+HOST_CACHE_SHARE = 0.25  # of MemAvailable: the host tier's default budget
+MEMINFO = Path("/proc/meminfo")
 
 
 @attrs.frozen
@@ -71,6 +74,22 @@ def default_budget(device_type: str, weights_bytes: int, cuda_free_bytes: int | 
         return max(0, cuda_free_bytes - weights_bytes - CUDA_RESERVE_BYTES)
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     return max(0, int((available - weights_bytes) * CPU_BUDGET_SHARE))
+
+
+def available_ram(meminfo: Path = MEMINFO) -> int:
+    """Bytes of RAM the kernel says are available (MemAvailable); without /proc/meminfo, the free pages."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def default_host_cache(meminfo: Path = MEMINFO) -> int:
+    """The host tier's budget when --host-cache-gib is not given: a share of available RAM."""
+    return int(available_ram(meminfo) * HOST_CACHE_SHARE)
 
 
 def plan_memory(layout: Layout, context: int, page_rows: int, budget_bytes: int,

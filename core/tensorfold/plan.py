@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import torch
 
 
 @attrs.frozen
@@ -46,3 +47,25 @@ class StepPlan:
     def sampled(self) -> int:
         """How many logit rows the forward returns."""
         return sum(1 for s in self.streams if s.sample)
+
+
+@attrs.frozen
+class DecodeBatch:
+    """One token for each of B streams as device tensors: what a family's optional `decode` takes, so a decode
+    step needs no host sync and a CUDA graph can capture it. A row with slot -1 is padding (a captured batch
+    larger than the streams in it): the family writes no state for it and its logits are never read."""
+
+    tokens: torch.Tensor        # [B] int64
+    positions: torch.Tensor     # [B] int64, the absolute position of each token
+    slots: torch.Tensor         # [B] int64, -1 for a padded row
+    tables: torch.Tensor        # [B, W] int32 page tables (any valid page id past a stream's pages and for pads)
+
+    @property
+    def live(self) -> torch.Tensor:
+        """[B] bool: the rows that belong to a stream."""
+        return self.slots >= 0
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] int32: keys each row attends to (position + 1), 0 for a padded row."""
+        return torch.where(self.live, self.positions + 1, 0).to(torch.int32)

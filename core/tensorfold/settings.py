@@ -18,6 +18,7 @@ DEFAULT_PROMPT_CACHE_GIB = 1.0  # kept prompt states (the device tier); 0 turns 
 CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
     ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
+    ("TF_CUDA_GRAPHS", True),  # on: decode steps replay CUDA graphs (GPU only); off: the same decode, eager
 )
 
 
@@ -63,6 +64,7 @@ class Settings:
     page_rows: int = DEFAULT_PAGE_ROWS
     kv_gib: float | None = None
     prompt_cache_gib: float = DEFAULT_PROMPT_CACHE_GIB
+    host_cache_gib: float | None = None  # the host tier of kept states; None: a share of available RAM (boot)
     cache_dir: Path = attrs.field(factory=lambda: cache_home(os.environ))
     switches: Mapping[str, bool] = attrs.field(factory=lambda: dict(CORE_SWITCHES), converter=dict)
 

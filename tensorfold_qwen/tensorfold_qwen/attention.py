@@ -31,6 +31,7 @@ class AttentionWeights:
     o_proj: torch.Tensor                # [E, H·D]
     q_norm: torch.Tensor                # [D]           zero-centred
     k_norm: torch.Tensor                # [D]           zero-centred
+    qkv: torch.Tensor | None = None     # [H·2D + 2·KV·D, E]: q_proj, k_proj, v_proj in one matrix (fused.py)
 
 
 def gated_attention(w: AttentionWeights, c: QwenConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,10 +1,10 @@
 """The batched forward: every stream's rows of a step through each layer together (the GPU path).
 
-    rows of all streams -> one [N, E] tensor; projections, norms, MLPs run once over all N rows
-    GDN:        1-row streams: conv update + recurrent delta step, batched over slots
-                longer streams: conv prefill + chunked delta rule, one stream at a time
-    attention:  keys/values scattered into pages through the slots' tables;
-                1-row streams: paged decode, batched; longer streams: paged prefill, one stream at a time
+    rows of all streams -> one [N, E] tensor; norms and MLPs run once over all N rows
+    1-row streams:  the decode step's own layer functions (decode.py), batched over their slots, so a stream's
+                    decode row computes the same thing whether a step also holds prefill chunks or not
+    longer streams: one stream at a time: conv prefill + chunked delta rule (GDN); keys/values written through
+                    the stream's page table, then paged prefill attention
 
 It computes what `QwenModel.hidden` computes, but a row's GEMMs now share a batch with other streams' rows, so
 its bits may depend on the batch (a GEMM's kernel choice depends on N): concurrent == solo is measured on the
@@ -17,16 +17,16 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from tensorfold.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
-from tensorfold.kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta_step
-from tensorfold.kernels.paged_attention import paged_decode, paged_prefill
+from tensorfold.kernels.causal_conv1d import causal_conv1d_prefill
+from tensorfold.kernels.gated_delta import chunk_gated_delta, gdn_gate
+from tensorfold.kernels.paged_attention import paged_prefill
+from tensorfold.kernels.paged_write import row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
-from tensorfold.kernels.rope import apply_rope
 from tensorfold.kv import KvStore
 from tensorfold.plan import StepPlan
+from tensorfold_qwen import decode
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.gdn import GdnWeights, l2norm
-from tensorfold_qwen.mlp import MoeWeights, moe, swiglu
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
 
@@ -81,74 +81,69 @@ def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
         else:
             x = x + attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
         h = rms_norm(x, layer.post_norm, c.rms_norm_eps, zero_centred=True)
-        x = x + (moe(layer.ffn, h) if isinstance(layer.ffn, MoeWeights) else swiglu(layer.ffn, h))
+        x = x + decode.ffn(layer.ffn, h)
     last = x[rows.sampled_rows]
     return F.linear(rms_norm(last, w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
 
 
 def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) -> torch.Tensor:
-    """Gated DeltaNet over the step's rows: [N, E] -> [N, E]."""
-    N = h.shape[0]
-    mixed = F.linear(h, w.in_proj_qkv)                                                 # [N, C]
-    conv = torch.empty_like(mixed)
+    """Gated DeltaNet over the step's rows: [N, E] -> [N, E]; one-row streams exactly as the decode step runs."""
+    out = torch.empty_like(h)
     if rows.single:
-        conv[rows.single_rows] = causal_conv1d_update(mixed[rows.single_rows], w.conv,
-                                                      kv.fixed_states(index, CONV), rows.single_slots)
+        out[rows.single_rows] = decode.gdn(w, c, h[rows.single_rows], rows.single_slots, index, kv)
     for i in rows.longer:
         a, b = rows.spans[i]
-        conv[a:b] = causal_conv1d_prefill(mixed[a:b], w.conv, kv.fixed(index, CONV, rows.slots[i]))
-    q, k, v = conv.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, c.v_heads * c.v_dim], dim=-1)
-    repeat = c.v_heads // c.k_heads
-    q = l2norm(q.reshape(N, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
-    k = l2norm(k.reshape(N, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float())
-    v = v.reshape(N, c.v_heads, c.v_dim).float()
-    beta = torch.sigmoid(F.linear(h, w.in_proj_b)).float()                             # [N, NV]
-    g = -w.A_log.float().exp() * F.softplus(F.linear(h, w.in_proj_a).float() + w.dt_bias)   # [N, NV]
-    out = torch.empty_like(v)                                                          # [N, NV, DV]
+        out[a:b] = gdn_chunk(w, c, h[a:b], rows.slots[i], rows.starts[i], index, kv)
+    return out
+
+
+def gdn_chunk(w: GdnWeights, c, h: torch.Tensor, slot: int, start: int, index: int, kv: KvStore) -> torch.Tensor:
+    """One stream's prefill chunk through a GDN layer: [T, E] -> [T, E]."""
+    T, C, Z, NV = h.shape[0], 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim, c.v_heads * c.v_dim, c.v_heads
+    proj = F.linear(h, w.in_proj)                                                      # [T, C + Z + 2·NV]
+    mixed = causal_conv1d_prefill(proj[:, :C], w.conv, kv.fixed(index, CONV, slot))   # [T, C]
+    q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
+    repeat = NV // c.k_heads
+    q = l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
+    k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float())
+    g, beta = gdn_gate(proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.A_log, w.dt_bias)   # [T, NV] each
+    state = kv.fixed(index, RECURRENT, slot)
     # fla's chunked kernels take TF32 dots; a float32 model (the checking mode) keeps the exact chunked form.
-    chunk_backend = "naive" if h.dtype == torch.float32 else None
-    if rows.single:
-        r = rows.single_rows
-        out[r] = recurrent_gated_delta_step(q[r], k[r], v[r], g[r], beta[r], kv.fixed_states(index, RECURRENT),
-                                            rows.single_slots)
-    for i in rows.longer:
-        a, b = rows.spans[i]
-        state = kv.fixed(index, RECURRENT, rows.slots[i])
-        out[a:b], final = chunk_gated_delta(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, rows.starts[i],
-                                            backend=chunk_backend)
-        state.copy_(final)
-    z = F.linear(h, w.in_proj_z).view(N, c.v_heads, c.v_dim)
-    out = gated_rms_norm(out.to(h.dtype), z, w.norm, c.rms_norm_eps)
-    return F.linear(out.reshape(N, c.v_heads * c.v_dim), w.out_proj)
+    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim).float(), g, beta, state, start,
+                                   backend="naive" if h.dtype == torch.float32 else None)
+    state.copy_(final)
+    out = gated_rms_norm(out.to(h.dtype), proj[:, C: C + Z].reshape(T, NV, c.v_dim), w.norm, c.rms_norm_eps)
+    return F.linear(out.reshape(T, Z), w.out_proj)
 
 
 def attention(w: AttentionWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore,
               inv_freq: torch.Tensor) -> torch.Tensor:
-    """Gated attention over the step's rows, keys in pages: [N, E] -> [N, E]."""
-    N, H, KV, D = h.shape[0], c.heads, c.kv_heads, c.head_dim
-    q, gate = F.linear(h, w.q_proj).view(N, H, 2 * D).chunk(2, dim=-1)
-    k = F.linear(h, w.k_proj).view(N, KV, D)
-    v = F.linear(h, w.v_proj).view(N, KV, D)
-    q = rms_norm(q.reshape(N * H, D), w.q_norm, c.rms_norm_eps, zero_centred=True).view(N, H, D)
-    k = rms_norm(k.reshape(N * KV, D), w.k_norm, c.rms_norm_eps, zero_centred=True).view(N, KV, D)
-    q = apply_rope(q, rows.positions, inv_freq, c.rotary_dim)
-    k = apply_rope(k, rows.positions, inv_freq, c.rotary_dim)
-    k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
-    tables = kv.tables(list(rows.slots)).long()                                        # [streams, width]
-    page_rows = k_pages.shape[1]
-    owner = torch.repeat_interleave(torch.arange(len(rows.spans), device=h.device),
-                                    torch.tensor([b - a for a, b in rows.spans], device=h.device))
-    page = tables[owner, rows.positions // page_rows]
-    k_pages[page, rows.positions % page_rows] = k
-    v_pages[page, rows.positions % page_rows] = v
-    out = torch.empty(N, H, D, dtype=h.dtype, device=h.device)
-    scale = D ** -0.5
+    """Gated attention over the step's rows, keys in pages: [N, E] -> [N, E]; one-row streams exactly as the
+    decode step runs."""
+    out = torch.empty_like(h)
+    tables = kv.tables(list(rows.slots))                                               # int32 [streams, width]
+    page_rows = kv.row_pages(index, KEYS).shape[1]
     if rows.single:
-        picked = torch.tensor(rows.single, device=h.device)
         r = rows.single_rows
-        out[r] = paged_decode(q[r], k_pages, v_pages, tables[picked].int(), (rows.positions[r] + 1).int(), scale)
+        picked = tables[torch.tensor(rows.single, device=h.device)]
+        positions = rows.positions[r]
+        live = torch.ones_like(positions, dtype=torch.bool)
+        out[r] = decode.attention(w, c, h[r], positions, picked, row_ids(picked, positions, live, page_rows),
+                                  (positions + 1).int(), index, kv, inv_freq)
     for i in rows.longer:
         a, b = rows.spans[i]
-        out[a:b] = paged_prefill(q[a:b], k_pages, v_pages, tables[i].int(), rows.starts[i], scale)
-    out = out.reshape(N, H * D) * torch.sigmoid(gate.reshape(N, H * D))
-    return F.linear(out, w.o_proj)
+        out[a:b] = attention_chunk(w, c, h[a:b], rows.positions[a:b], tables[i], rows.starts[i], index, kv,
+                                   inv_freq)
+    return out
+
+
+def attention_chunk(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+                    start: int, index: int, kv: KvStore, inv_freq: torch.Tensor) -> torch.Tensor:
+    """One stream's prefill chunk through an attention layer: [T, E] -> [T, E]."""
+    q, gate, k, v = decode.attention_inputs(w, c, h, positions, inv_freq)
+    k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
+    dest = row_ids(table[None].expand(h.shape[0], -1), positions, torch.ones_like(positions, dtype=torch.bool),
+                   k_pages.shape[1])
+    write_rows(k_pages, k, dest)
+    write_rows(v_pages, v, dest)
+    return decode.attention_output(w, paged_prefill(q, k_pages, v_pages, table, start, c.head_dim ** -0.5), gate)

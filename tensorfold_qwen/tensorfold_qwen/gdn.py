@@ -39,6 +39,8 @@ class GdnWeights:
     dt_bias: torch.Tensor               # [NV]
     norm: torch.Tensor                  # [DV]          norm.weight (plain, not zero-centred)
     out_proj: torch.Tensor              # [E, NV·DV]
+    in_proj: torch.Tensor | None = None  # [C + NV·DV + 2·NV, E]: qkv, z, b, a in one matrix (fused.py), the four
+                                         # above being row views of it; the decode step's one GEMM
 
 
 def gated_delta_net(w: GdnWeights, c: QwenConfig, x: torch.Tensor, start: int,

@@ -5,11 +5,16 @@ container (`qwen3_5`, `qwen3_5_moe`, what Qwen publishes) nests it as `model.lan
 tower `model.visual.*` and a multi-token-prediction head `mtp.*`. Both spellings are accepted; the vision tower and
 the MTP head are skipped with one log line saying how many tensors that was. This file is the only place that
 knows these names.
+
+A MoE layer's experts come in either of two forms, one form for the whole checkpoint: per expert, as HF writes
+them to disk (`mlp.experts.{e}.gate_proj.weight` / `up_proj` / `down_proj`, stacked here), or fused, as HF holds
+them in memory (`mlp.experts.gate_up_proj` [N, 2F, E], `mlp.experts.down_proj` [N, E, F], used as they come).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -24,6 +29,9 @@ log = logging.getLogger(__name__)
 
 NESTED = "model.language_model."
 SKIPPED = ("model.visual.", "mtp.")          # the vision tower and the MTP head: not part of the text model
+PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+LISTED = 20                                  # names an error lists before it counts the rest
 
 
 def attention_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
@@ -62,25 +70,31 @@ def mlp_shapes(c: QwenConfig, prefix: str, inner: int) -> dict[str, tuple[int, .
             f"{prefix}down_proj.weight": (E, inner)}
 
 
-def ffn_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
-    """A layer's feed-forward tensors: the dense MLP, or the router, experts, shared expert and its gate."""
+def ffn_shapes(c: QwenConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """A layer's feed-forward tensors: the dense MLP, or the router, experts (per expert, or fused), shared expert
+    and its gate."""
     if not c.moe:
         return mlp_shapes(c, "mlp.", c.intermediate_size)
-    shapes = {"mlp.gate.weight": (c.experts, c.hidden_size), "mlp.shared_expert_gate.weight": (1, c.hidden_size)}
+    E, N, F = c.hidden_size, c.experts, c.moe_intermediate_size
+    shapes = {"mlp.gate.weight": (N, E), "mlp.shared_expert_gate.weight": (1, E)}
     shapes.update(mlp_shapes(c, "mlp.shared_expert.", c.shared_intermediate_size))
-    for e in range(c.experts):
-        shapes.update(mlp_shapes(c, f"mlp.experts.{e}.", c.moe_intermediate_size))
+    if fused:
+        shapes.update({"mlp.experts.gate_up_proj": (N, 2 * F, E), "mlp.experts.down_proj": (N, E, F)})
+    else:
+        for e in range(N):
+            shapes.update(mlp_shapes(c, f"mlp.experts.{e}.", F))
     return shapes
 
 
-def expected_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the checkpoint must hold (plain `model.` spelling) and its shape."""
+def expected_shapes(c: QwenConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold (plain `model.` spelling) and its shape; `fused`: the experts in
+    HF's fused form."""
     E = c.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, E), "model.norm.weight": (E,)}
     for i, kind in enumerate(c.layer_types):
         layer = {"input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,)}
         layer.update(attention_shapes(c) if kind == FULL else gdn_shapes(c))
-        layer.update(ffn_shapes(c))
+        layer.update(ffn_shapes(c, fused))
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, E)
@@ -97,9 +111,28 @@ def skipped(name: str, config: QwenConfig) -> bool:
     return name.startswith(SKIPPED) or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def check_names(names: list[str], config: QwenConfig) -> int:
+def listed(names: list[str]) -> str:
+    """The first LISTED names and how many more (a 35B checkpoint can miss tens of thousands of experts)."""
+    more = f", ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
+
+
+def fused_experts(names: list[str], config: QwenConfig) -> bool:
+    """Whether the checkpoint holds its experts fused (`mlp.experts.gate_up_proj`, `down_proj`) rather than per
+    expert; ValueError when it holds both forms."""
+    kept = [canonical(name) for name in names if not skipped(canonical(name), config)]
+    per = [name for name in kept if PER_EXPERT.search(name)]
+    fused = [name for name in kept if FUSED.search(name)]
+    if per and fused:
+        raise ValueError(f"the checkpoint mixes the two expert forms: {len(fused)} fused tensors (e.g. {fused[0]}) "
+                         f"and {len(per)} per-expert tensors (e.g. {per[0]}); every layer's experts must be either "
+                         "mlp.experts.gate_up_proj + mlp.experts.down_proj or mlp.experts.{e}.{gate,up,down}_proj")
+    return bool(fused)
+
+
+def check_names(names: list[str], config: QwenConfig, fused: bool = False) -> int:
     """Raise ValueError naming every missing, unexpected or doubled tensor; return how many are skipped."""
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(config, fused)
     seen: dict[str, str] = {}
     unexpected, doubled, skips = [], [], 0
     for name in names:
@@ -115,12 +148,17 @@ def check_names(names: list[str], config: QwenConfig) -> int:
     missing = [name for name in shapes if name not in seen]
     problems = []
     if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
+        problems.append(f"missing tensors: {listed(missing)}")
+        if any(".mlp.experts." in name for name in missing):
+            form = "fused" if fused else "per-expert"
+            problems.append(f"experts are read in the {form} form this checkpoint uses: "
+                            + ("mlp.experts.gate_up_proj [N, 2F, E] and mlp.experts.down_proj [N, E, F] per layer"
+                               if fused else "mlp.experts.{e}.{gate,up,down}_proj.weight for every e < num_experts"))
     if unexpected:
         problems.append(f"unexpected tensors (not part of a {config.model_type} with this config): "
-                        f"{', '.join(unexpected)}")
+                        f"{listed(unexpected)}")
     if doubled:
-        problems.append(f"tensors given twice: {'; '.join(doubled)}")
+        problems.append(f"tensors given twice: {'; '.join(doubled[:LISTED])}")
     if problems:
         raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
     return skips
@@ -129,11 +167,13 @@ def check_names(names: list[str], config: QwenConfig) -> int:
 def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> QwenModel:
     """Read every weight once, shard by shard, into `dtype` on `device`, and build the model."""
     config = QwenConfig.from_dict(checkpoint.config)
-    skips = check_names(checkpoint.names(), config)
+    names = checkpoint.names()
+    fused = fused_experts(names, config)
+    skips = check_names(names, config, fused)
     if skips:
         log.info("skipped %d tensors the text model does not use (vision tower model.visual.*, MTP head mtp.*, "
                  "tied lm_head)", skips)
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(config, fused)
     found: dict[str, torch.Tensor] = {}
     for name, tensor in checkpoint.tensors(progress=progress):
         key = canonical(name)
@@ -141,21 +181,25 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
             continue  # skipped (vision, MTP, tied lm_head); check_names has refused everything else
         if tuple(tensor.shape) != shapes[key]:
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[key]}")
-        found[key] = tensor.to(device=device, dtype=dtype).contiguous()
+        found[key] = tensor.to(device=device, dtype=dtype).contiguous()     # no copy when it already fits
     return QwenModel(config, build_weights(config, found))
 
 
 def build_weights(config: QwenConfig, found: dict[str, torch.Tensor]) -> Weights:
-    """Arrange tensors named as in `expected_shapes` into the model's records (each taken out of `found` as it
-    is used, so stacking the experts holds at most one layer's experts twice)."""
+    """Arrange tensors named as in `expected_shapes` (either expert form) into the model's records (each taken
+    out of `found` as it is used, so stacking per-expert tensors holds at most one layer's experts twice)."""
     layers = []
     for i, kind in enumerate(config.layer_types):
         def get(name: str, i: int = i) -> torch.Tensor:
             return found.pop(f"model.layers.{i}.{name}")
 
+        def has(name: str, i: int = i) -> bool:
+            return f"model.layers.{i}.{name}" in found
+
         mixer = attention_weights(get) if kind == FULL else gdn_weights(get)
         layers.append(LayerWeights(input_norm=get("input_layernorm.weight"), mixer=mixer,
-                                   post_norm=get("post_attention_layernorm.weight"), ffn=ffn_weights(config, get)))
+                                   post_norm=get("post_attention_layernorm.weight"),
+                                   ffn=ffn_weights(config, get, has)))
     embed = found["model.embed_tokens.weight"]
     lm_head = embed if config.tie_word_embeddings else found["lm_head.weight"]
     return Weights(embed=embed, layers=tuple(layers), norm=found["model.norm.weight"], lm_head=lm_head)
@@ -179,13 +223,26 @@ def mlp_weights(get, prefix: str) -> MlpWeights:
     return MlpWeights(*(get(f"{prefix}{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")))
 
 
-def ffn_weights(config: QwenConfig, get) -> MlpWeights | MoeWeights:
+def ffn_weights(config: QwenConfig, get, has) -> MlpWeights | MoeWeights:
     if not config.moe:
         return mlp_weights(get, "mlp.")
-    experts = [mlp_weights(get, f"mlp.experts.{e}.") for e in range(config.experts)]
-    return MoeWeights(router=get("mlp.gate.weight"),
-                      gate_proj=torch.stack([e.gate_proj for e in experts]),
-                      up_proj=torch.stack([e.up_proj for e in experts]),
-                      down_proj=torch.stack([e.down_proj for e in experts]),
+    if has("mlp.experts.gate_up_proj"):
+        gate_up, down = get("mlp.experts.gate_up_proj"), get("mlp.experts.down_proj")
+    else:
+        gate_up, down = stacked_experts(config, get)
+    return MoeWeights(router=get("mlp.gate.weight"), gate_up=gate_up, down=down,
                       shared=mlp_weights(get, "mlp.shared_expert."),
                       shared_gate=get("mlp.shared_expert_gate.weight"), top_k=config.top_k)
+
+
+def stacked_experts(config: QwenConfig, get) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert tensors into the fused layout: gate_up [N, 2F, E] (gate rows, then up rows), down [N, E, F]."""
+    F = config.moe_intermediate_size
+    gate_up = down = None
+    for e in range(config.experts):
+        expert = mlp_weights(get, f"mlp.experts.{e}.")
+        if gate_up is None:
+            gate_up = expert.gate_proj.new_empty((config.experts, 2 * F, config.hidden_size))
+            down = expert.down_proj.new_empty((config.experts, config.hidden_size, F))
+        gate_up[e, :F], gate_up[e, F:], down[e] = expert.gate_proj, expert.up_proj, expert.down_proj
+    return gate_up, down

@@ -10,6 +10,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.moe import routed_experts
+
 
 @attrs.frozen
 class MlpWeights:
@@ -22,12 +24,12 @@ class MlpWeights:
 
 @attrs.frozen
 class MoeWeights:
-    """A routed MoE layer; the experts' matrices are stacked from `mlp.experts.{e}.*` at load."""
+    """A routed MoE layer, experts in HF's fused layout (`mlp.experts.gate_up_proj` / `down_proj`), which the
+    grouped-GEMM kernel reads as they are; per-expert checkpoints are stacked into it at load."""
 
     router: torch.Tensor                # [N, E]       mlp.gate.weight
-    gate_proj: torch.Tensor             # [N, F, E]    mlp.experts.{e}.gate_proj.weight
-    up_proj: torch.Tensor               # [N, F, E]    mlp.experts.{e}.up_proj.weight
-    down_proj: torch.Tensor             # [N, E, F]    mlp.experts.{e}.down_proj.weight
+    gate_up: torch.Tensor               # [N, 2F, E]   gate rows, then up rows: mlp.experts.gate_up_proj
+    down: torch.Tensor                  # [N, E, F]    mlp.experts.down_proj
     shared: MlpWeights                  #              mlp.shared_expert.*
     shared_gate: torch.Tensor           # [1, E]       mlp.shared_expert_gate.weight
     top_k: int
@@ -38,17 +40,35 @@ def swiglu(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
 
 
-def moe(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
-    """Softmax router over all experts (float32) -> top-k -> renormalised weights in x's dtype; each chosen
-    expert's SwiGLU on its rows, weighted and summed; plus the shared expert times sigmoid(shared_gate(x))."""
+def route(w: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router over all experts (float32) -> top-k -> renormalised weights in x's dtype: (weights, chosen),
+    both [T, k]."""
     probs = torch.softmax(F.linear(x, w.router).float(), dim=-1)        # [T, N] float32
     weights, chosen = probs.topk(w.top_k, dim=-1)                       # [T, k], [T, k]
-    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)     # renormalise (norm_topk_prob)
+    return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), chosen   # renormalise (norm_topk_prob)
+
+
+def shared_expert(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+    """The shared expert times sigmoid(shared_gate(x)): [T, E] -> [T, E]."""
+    return swiglu(w.shared, x) * torch.sigmoid(F.linear(x, w.shared_gate))
+
+
+def moe(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+    """The reference: routed, then each chosen expert's SwiGLU on its rows, weighted and summed (a loop over the
+    chosen experts, read back to the host); plus the shared expert."""
+    weights, chosen = route(w, x)
     out = torch.zeros_like(x)                                           # [T, E]
     for expert in chosen.unique().tolist():
         rows, rank = (chosen == expert).nonzero(as_tuple=True)          # which rows chose it, at which rank
         picked = x[rows]                                                # [t, E]
-        hidden = F.silu(F.linear(picked, w.gate_proj[expert])) * F.linear(picked, w.up_proj[expert])
-        out.index_add_(0, rows, F.linear(hidden, w.down_proj[expert]) * weights[rows, rank, None])
-    shared = swiglu(w.shared, x) * torch.sigmoid(F.linear(x, w.shared_gate))   # [T, E]
-    return out + shared
+        gate, up = w.gate_up[expert].chunk(2)                           # [F, E] each
+        hidden = F.silu(F.linear(picked, gate)) * F.linear(picked, up)
+        out.index_add_(0, rows, F.linear(hidden, w.down[expert]) * weights[rows, rank, None])
+    return out + shared_expert(w, x)
+
+
+def moe_routed(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+    """`moe` through the kernels' `routed_experts` (a sync-free grouped GEMM on the GPU, capturable in a CUDA
+    graph; the same loop as `moe` on the CPU, bit for bit), plus the shared expert."""
+    weights, chosen = route(w, x)
+    return routed_experts(x, chosen, weights, w.gate_up, w.down) + shared_expert(w, x)

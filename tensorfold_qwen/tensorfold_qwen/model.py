@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
-from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold_qwen.attention import AttentionWeights, gated_attention
 from tensorfold_qwen.config import QwenConfig
+from tensorfold_qwen.fused import fuse_mixer
 from tensorfold_qwen.gdn import GdnWeights, gated_delta_net
 from tensorfold_qwen.layers import inverse_frequencies, rms_norm, rope_tables
 from tensorfold_qwen.mlp import MlpWeights, MoeWeights, moe, swiglu
@@ -55,7 +56,8 @@ class QwenModel:
 
     def __init__(self, config: QwenConfig, weights: Weights) -> None:
         self.config = config
-        self.weights = weights
+        self.weights = attrs.evolve(weights, layers=tuple(attrs.evolve(layer, mixer=fuse_mixer(layer.mixer))
+                                                          for layer in weights.layers))
         self.vocab_size = config.vocab_size
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
@@ -79,6 +81,14 @@ class QwenModel:
         if not picked:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return torch.cat(picked)                                               # [sampled, V]
+
+    @torch.no_grad()
+    def decode(self, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
+        """One token for each row of `batch`, tensors only (no host sync: a CUDA graph captures it); float32
+        logits [B, V]. Needs a paged store."""
+        from tensorfold_qwen.decode import decode
+
+        return decode(self, batch, kv)
 
     @torch.no_grad()
     def forward_all(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 
@@ -28,3 +30,63 @@ def test_settings_are_frozen_and_hold_only_the_switches_read():
         settings.switch("TF_C")
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         settings.port = 1
+
+
+# -- --host-cache-gib: the host tier's budget ---------------------------------------------------------------------
+
+
+def test_the_host_cache_defaults_to_a_share_of_available_ram(tmp_path):
+    from tensorfold.boot import host_cache_bytes
+    from tensorfold.memory_plan import HOST_CACHE_SHARE, available_ram, default_host_cache
+    from tensorfold.settings import Settings
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
+    assert available_ram(meminfo) == 8000000 * 1024
+    assert default_host_cache(meminfo) == int(8000000 * 1024 * HOST_CACHE_SHARE)
+    assert available_ram(tmp_path / "missing") > 0  # no /proc/meminfo: the free pages
+    assert read_settings({}, [], port=9).host_cache_gib is None
+    assert read_settings({}, [], host_cache_gib=0.5).host_cache_gib == 0.5
+    assert host_cache_bytes(Settings(host_cache_gib=0.5)) == 2**29 and host_cache_bytes(Settings(host_cache_gib=0)) == 0
+    assert host_cache_bytes(Settings()) > 0
+
+
+def test_boot_builds_the_host_tier_shows_it_in_the_plan_and_turns_it_off_at_zero(example, tiny_dir):
+    from tensorfold.boot import boot
+    from tensorfold.settings import Settings
+    from tensorfold.tiers import DeviceTier, HostTier
+
+    switches = {"TF_KV_PAGES": True, "TF_KV_POISON": False, "TF_EXAMPLE_REQUEST_STARTS": True}
+    loaded = boot(Settings(family="example", model=tiny_dir, context=64, switches=switches), example)
+    engine = loaded.engine
+    assert isinstance(engine.host, HostTier) and isinstance(engine.tier, DeviceTier)
+    assert engine.tiers == (engine.tier, engine.host) and engine.host.pin is False  # CPU: ordinary memory
+    assert loaded.service.plan["host_cache_bytes"] == engine.host.budget > 0
+    now = engine.snapshot()
+    assert now["host_cache_budget"] == engine.host.budget and set(now["tiers"]) == {"device", "host"}
+    sized = boot(Settings(family="example", model=tiny_dir, context=64, host_cache_gib=0.25, switches=switches),
+                 example)
+    assert sized.engine.host.budget == 2**28
+    off = boot(Settings(family="example", model=tiny_dir, context=64, host_cache_gib=0, switches=switches), example)
+    assert off.engine.host is None and off.engine.tiers == (off.engine.tier,)
+    alone = boot(Settings(family="example", model=tiny_dir, context=64, prompt_cache_gib=0, switches=switches),
+                 example)
+    assert alone.engine.tier is None and alone.engine.tiers == (alone.engine.host,)
+
+
+def test_a_negative_host_cache_is_refused_by_name(tmp_path):
+    from typer.testing import CliRunner
+
+    from tensorfold.cli import app
+
+    runner = CliRunner()
+    runner.invoke(app, ["make-tiny", "--family", "example", str(tmp_path / "m")])
+    result = runner.invoke(app, ["serve", "--family", "example", "--model", str(tmp_path / "m"),
+                                 "--host-cache-gib", "-1"])
+    assert result.exit_code == 2 and "--host-cache-gib -1.0 must be 0 (off) or above" in result.output, result.output
+    plan = runner.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m"), "--json",
+                               "--host-cache-gib", "0.5"])
+    assert json.loads(plan.output)["host_cache_bytes"] == 2**29
+    text = runner.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m"),
+                               "--host-cache-gib", "0"]).output
+    assert "host tier          off" in text

@@ -23,7 +23,7 @@ def server(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "tensorfold", "make-tiny", "--family", "example", str(directory / "m")],
                    check=True, capture_output=True)
     args = ["--family", "example", "--model", str(directory / "m"), "--parallel", "8", "--page-rows", "16",
-            "--context", "512", "--prefill-chunk", "64"]
+            "--context", "512", "--prefill-chunk", "64", "--min-chunk", "8"]
     with serving(args, directory / "server.log", env={"TF_KV_POISON": "1"}) as base:
         yield base
 

@@ -48,11 +48,21 @@ class ErrorEvent:
 Event = TokenEvent | DoneEvent | ErrorEvent
 
 
+@attrs.frozen
+class KeepMarks:
+    """Prompt positions a later request may want to resume at, found by the server (None: not known); the engine
+    keeps a state at the last cut at or before each (tiers/policy.py) and knows nothing else of the chat."""
+
+    history: int | None = None  # where the rendered history ends (the generated turn's start); None: the prompt end
+    system: int | None = None   # where the shared system prompt ends (the first non-system message's start)
+    rewind: int | None = None   # where the latest user message starts: an edited or regenerated last turn
+
+
 @attrs.define
 class Request:
     """A prompt to continue; `on_event` is called from the engine thread and must not block. `starts` are the
     prompt positions where requests (chat messages) start: prefill also cuts there (engine/cuts.py); empty, the
-    grid alone."""
+    grid alone. `marks` say where states worth resuming at lie."""
 
     id: str
     prompt: tuple[int, ...] = attrs.field(converter=tuple)
@@ -60,6 +70,7 @@ class Request:
     on_event: Callable[[Event], None] = attrs.field(repr=False)
     cancelled: threading.Event = attrs.field(factory=threading.Event, repr=False)
     starts: tuple[int, ...] = attrs.field(default=(), converter=tuple, kw_only=True)
+    marks: KeepMarks = attrs.field(factory=KeepMarks, kw_only=True)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request at its next step (client gone, stop string seen)."""

@@ -20,6 +20,7 @@ from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 if TYPE_CHECKING:
     from tensorfold.tiers.device import DeviceTier
+    from tensorfold.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,13 @@ class Engine:
     """Many streams share one memory and one step loop; the server only ever calls `submit`."""
 
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
-                 max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None) -> None:
+                 max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
+                 host: HostTier | None = None) -> None:
         self.model = model
         self.memory = memory
         self.tier = tier
-        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier)
+        self.host = host
+        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host)
         self.context = context
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -41,6 +44,12 @@ class Engine:
         self._stopping = False
         self.integrity = "not checked yet"
         self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
+
+    @property
+    def tiers(self) -> tuple[DeviceTier | HostTier, ...]:
+        """The kept-state tiers, fastest first (each has `stats()`, `describe()`, `check_integrity()`)."""
+        kept = self.scheduler.tiers
+        return kept.tiers if kept is not None else ()
 
     @property
     def kv(self):
@@ -79,8 +88,8 @@ class Engine:
         """With nothing running, every page and slot must be back; a failure is logged and shown on /memory."""
         try:
             self.memory.check_integrity()
-            if self.tier is not None:
-                self.tier.check_integrity()
+            if self.scheduler.tiers is not None:
+                self.scheduler.tiers.check_integrity()
             if self.memory.slots.free != self.memory.slots.count:
                 raise AssertionError(f"{self.memory.slots.count - self.memory.slots.free} slots held with no stream")
             self.integrity = "ok"
@@ -162,8 +171,8 @@ class Engine:
         self.scheduler.finish(stream)
         stream.request.on_event(ErrorEvent(message))
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, object]:
         """Streams and memory now, for /memory (read from another thread: numbers may be a step old)."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "integrity_when_idle": self.integrity, **self.memory.snapshot(),
-                **(self.tier.describe() if self.tier is not None else {})}
+                **(self.scheduler.tiers.describe() if self.scheduler.tiers is not None else {})}

@@ -5,36 +5,48 @@
                 stay within one chunk's worth (the oldest prefilling stream always gets its chunk, so every
                 stream progresses); the cuts are planned once at admission, plan_cuts(prompt, starts, chunk,
                 min_chunk) (engine/cuts.py): the absolute grid when the request has no starts
-    admission:  with a prompt cache (tiers/device.py), a request resumes from the longest kept state it may
-                (its lease shares the state's full pages); when its lease does not fit, kept states are evicted,
-                least recently used first, before it waits
+    admission:  with kept tiers (tiers/chain.py), a request resumes from the longest kept state any tier holds
+                that it may resume from (a device state's full pages are shared by its lease; a host state is
+                copied in); when its lease does not fit, device states are let go (into the host tier), moved-past
+                ones first, then the least recently used, never the one it resumes from, before it waits
+    keeping:    a prefilling stream's state is kept after the steps that end at its keep points: the last cut at
+                or before its history end, system end and rewind mark, at least min_chunk apart (tiers/policy.py)
 """
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections import deque
 from typing import TYPE_CHECKING
 
 from tensorfold.engine.api import Request
-from tensorfold.engine.cuts import plan_cuts, usable_starts
+from tensorfold.engine.cuts import plan_cuts
 from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.sampler import Sampler
 from tensorfold.engine.stream import Stream
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.settings import DEFAULT_MIN_CHUNK
+from tensorfold.tiers.chain import Hit, KeptTiers
+from tensorfold.tiers.policy import keep_points
 
 if TYPE_CHECKING:
     from tensorfold.tiers.device import DeviceTier
+    from tensorfold.tiers.host import HostTier
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
     """Bookkeeping only: it never touches tensors beyond binding page tables through StreamMemory."""
 
     def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int,
-                 min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None) -> None:
+                 min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
+                 host: HostTier | None = None) -> None:
         self.memory = memory
         self.tier = tier
+        self.host = host
+        self.tiers = KeptTiers(tier, host) if tier is not None or host is not None else None
         self.context = context
         self.prefill_chunk = prefill_chunk
         self.min_chunk = min_chunk
@@ -51,28 +63,39 @@ class Scheduler:
         while self.waiting and self.memory.slots.free > 0:
             request = self.waiting[0]
             reach = self.reach(request)
-            kept = None
-            if self.tier is not None:
-                kept = self.tier.lookup(request.prompt, request.starts, self.prefill_chunk, self.min_chunk)
-            shared = kept.pages if kept is not None else ()
+            cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
+            hit = self.tiers.lookup(request.prompt, cuts) if self.tiers is not None else None
+            shared = hit.state.pages if hit is not None else ()
             if not self.memory.fits(reach, len(shared)) and self._evicting_helps(reach, len(shared)):
-                while not self.memory.fits(reach, len(shared)) and self.tier.evict_one(kept):
+                spare = hit.state if hit is not None else None
+                while not self.memory.fits(reach, len(shared)) and self.tiers.evict_one(spare):
                     pass
             if not self.memory.fits(reach, len(shared)):
                 break
             self.waiting.popleft()
             claim = self.memory.take(request.id, reach, shared)
-            cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
             stream = Stream(request, claim, Sampler(request.sampling), cuts=cuts)
-            if kept is not None:
-                self.tier.restore(kept, claim)
-                stream.position = stream.cached = kept.at
-            if self.tier is not None:
-                points = set(usable_starts(len(request.prompt), request.starts)) | {len(request.prompt)}
-                stream.keep_at = frozenset(c for c in cuts if c in points and c > stream.position)
+            if self.tiers is not None:
+                self.tiers.admitted(hit, claim)
+                if hit is not None:
+                    stream.position = stream.cached = hit.state.at
+                marks = request.marks
+                stream.keep_at = keep_points(cuts, len(request.prompt), marks.history, marks.system, marks.rewind,
+                                             stream.position, self.min_chunk)
+                self._log_resume(stream, hit)
             self.running.append(stream)
             admitted.append(stream)
+        if admitted and self.tiers is not None:
+            self.tiers.ready()
         return admitted
+
+    def _log_resume(self, stream: Stream, hit: Hit | None) -> None:
+        rows = stream.prompt_len
+        if hit is None:
+            log.info("%s: no kept state; prefilling %s rows", stream.request.id, f"{rows:,}")
+        else:
+            log.info("%s: resumed at %s of %s from %s", stream.request.id, f"{hit.state.at:,}", f"{rows:,}",
+                     hit.tier.name)
 
     def _evicting_helps(self, rows: int, shared: int) -> bool:
         """Whether the pages kept states alone hold would let a lease of `rows` rows fit (else it waits for
@@ -84,9 +107,18 @@ class Scheduler:
 
     def kept(self, stream: Stream, end: int) -> None:
         """After a step that ended a prefill share at `end`: keep the stream's state there if it is a keep point."""
-        if self.tier is None or end not in stream.keep_at:
+        why = stream.keep_at.get(end)
+        if self.tiers is None or why is None:
             return
-        self.tier.keep_from(stream.claim, stream.request.prompt[:end], tuple(c for c in stream.cuts if c <= end))
+        keep = self.tiers.keep_from(stream.claim, stream.request.prompt[:end],
+                                    tuple(c for c in stream.cuts if c <= end), why)
+        reasons = ", ".join(sorted(why))
+        if keep.tier is None:
+            log.info("%s: not kept at %s (%s): larger than every tier", stream.request.id, f"{end:,}", reasons)
+        elif keep.fresh:
+            log.info("%s: kept at %s (%s) on %s", stream.request.id, f"{end:,}", reasons, keep.tier)
+        else:
+            log.debug("%s: already kept at %s (%s) on %s", stream.request.id, f"{end:,}", reasons, keep.tier)
 
     def plan(self) -> tuple[StepPlan, list[Stream]] | None:
         """The next step and the streams in it, in plan order; None when nothing runs."""

@@ -13,7 +13,8 @@ from tensorfold.engine.sampler import Sampler
 class Stream:
     """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode,
     `cuts` where its prefill is cut (engine/cuts.py, planned once at admission), `cached` the prompt rows it
-    resumed from a kept state instead of prefilling, `keep_at` the cuts after which its state is kept."""
+    resumed from a kept state instead of prefilling, `keep_at` the cuts after which its state is kept, with the
+    reasons (tiers/policy.py)."""
 
     request: Request
     claim: Claim
@@ -23,7 +24,7 @@ class Stream:
     produced: int = 0
     pending: int | None = None
     cached: int = 0
-    keep_at: frozenset[int] = frozenset()
+    keep_at: dict[int, frozenset[str]] = attrs.field(factory=dict)
 
     @property
     def prompt_len(self) -> int:

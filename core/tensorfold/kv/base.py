@@ -49,6 +49,14 @@ class KvStore:
         """The slots' page tables, padded with 0 to one width: int32 [len(slots), width]."""
         raise NotImplementedError
 
+    def host_table(self, slot: int) -> tuple[int, ...]:
+        """The slot's page table as host ints, for building a step's tables without reading the device."""
+        raise NotImplementedError
+
+    def table_width(self, context: int) -> int:
+        """Entries the widest page table of a `context`-row stream has."""
+        raise NotImplementedError
+
     def clear(self, slot: int) -> None:
         """Ready a slot for a new stream: its fixed states zeroed."""
         for layer in self._fixed:

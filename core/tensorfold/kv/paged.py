@@ -31,6 +31,7 @@ class PagedStore(KvStore):
             for layer in layout.layers
         ]
         self._tables: list[torch.Tensor] = [torch.empty(0, dtype=torch.long, device=self.device)] * slots
+        self._host_tables: list[tuple[int, ...]] = [()] * slots
 
     @property
     def page_bytes(self) -> int:
@@ -45,6 +46,15 @@ class PagedStore(KvStore):
     def bind(self, slot: int, table: list[int]) -> None:
         """Set the slot's page table (its pages in row order)."""
         self._tables[slot] = torch.tensor(table, dtype=torch.long, device=self.device)
+        self._host_tables[slot] = tuple(table)
+
+    def host_table(self, slot: int) -> tuple[int, ...]:
+        """The slot's page table as host ints (no device read)."""
+        return self._host_tables[slot]
+
+    def table_width(self, context: int) -> int:
+        """Entries the widest table of a `context`-row stream has."""
+        return max(1, -(-context // self.page_rows))
 
     def row_pages(self, layer: int, name: str) -> torch.Tensor:
         """The pages of one row state: [pages, page_rows / every, *shape]."""

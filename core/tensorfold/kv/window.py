@@ -49,6 +49,14 @@ class WindowStore(KvStore):
         """Slot s reads page s."""
         return torch.tensor(slots, dtype=torch.int32, device=self.device).view(-1, 1)
 
+    def host_table(self, slot: int) -> tuple[int, ...]:
+        """Slot s's one page, as a host int."""
+        return (slot,)
+
+    def table_width(self, context: int) -> int:
+        """One page per slot."""
+        return 1
+
     def clear(self, slot: int) -> None:
         """Fixed states zeroed; with poison on, the window filled with NaN so a stale read shows."""
         super().clear(slot)

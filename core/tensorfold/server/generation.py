@@ -74,7 +74,7 @@ class Generation:
         self._since = 0  # token ids not yet handed out with a Piece
         self._check_at = self._loop.time() + POLL_S  # when to next ask whether the client is still there
         self.request = Request(id=self.id, prompt=params.prompt, sampling=params.sampling,
-                               on_event=self._on_event, starts=params.starts)
+                               on_event=self._on_event, starts=params.starts, marks=params.marks)
 
     def _on_event(self, event: Event) -> None:
         """Engine thread: hand the event to the loop; a loop already closed (shutdown) drops it."""

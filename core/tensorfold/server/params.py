@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from tensorfold.engine.api import Sampling
+from tensorfold.engine.api import KeepMarks, Sampling
 from tensorfold.server.errors import bad_request
 from tensorfold.server.fields import (
     SEED_MAX,
@@ -22,7 +22,7 @@ from tensorfold.server.fields import (
     read_token_ids,
 )
 from tensorfold.server.messages import read_messages, read_template_kwargs, render
-from tensorfold.server.starts import message_starts
+from tensorfold.server.starts import keep_marks, start_positions, starts_of
 from tensorfold.service import Service
 
 CONTEXT_CODE = "context_length_exceeded"
@@ -56,6 +56,7 @@ class Generate:
     include_usage: bool = False
     return_token_ids: bool = False
     starts: tuple[int, ...] = ()  # where the chat's messages start in `prompt`, with the request-starts switch
+    marks: KeepMarks = KeepMarks()  # where states are worth keeping (history, system and rewind), likewise
 
 
 @attrs.frozen
@@ -77,7 +78,8 @@ def parse_chat(body: Mapping[str, Any], service: Service) -> Generate:
     params = generate(body, service, prompt, "messages")
     if not service.request_starts:
         return params
-    return attrs.evolve(params, starts=message_starts(service.tokenizer, messages, prompt, kwargs, text))
+    positions = start_positions(service.tokenizer, messages, prompt, kwargs, text)
+    return attrs.evolve(params, starts=starts_of(positions), marks=keep_marks(messages, positions))
 
 
 def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from tensorfold.server.errors import ApiError, engine_failed
 from tensorfold.server.fields import parse_body
 from tensorfold.server.generation import ClientGone, EngineFailed, Finish, Generation
+from tensorfold.server.metrics import metrics_endpoint
 from tensorfold.server.params import Generate, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from tensorfold.server.payloads import CHAT, TEXT, Shaper
 from tensorfold.server.sse import EventStream
@@ -106,6 +107,7 @@ def routes(service: Service) -> list[Route]:
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/memory", memory, methods=["GET"]),
+        Route("/metrics", metrics_endpoint(service), methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]

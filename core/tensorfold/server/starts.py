@@ -10,6 +10,10 @@ A position is kept only when the prefix's tokens are an exact prefix of the full
 renders a prefix differently (drops reasoning, moves a system note) or a merge across the boundary skips that
 start. A skipped start costs a cut; a wrong one would never be taken. The position right after the final
 assistant header is the prompt's end, which every pass cuts at anyway.
+
+Three of them are where states are worth keeping (engine/api.py KeepMarks), so the engine learns them by position
+and no more of the chat: the generated turn's start (the history end, where the next turn resumes), the first
+non-system message's start (the shared system prompt's end) and the latest user message's start (the rewind mark).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tensorfold.engine.api import KeepMarks
+
 log = logging.getLogger(__name__)
+SYSTEM_ROLES = {"system", "developer"}
 
 
 def message_starts(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
@@ -26,7 +33,18 @@ def message_starts(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt
     """Positions in `prompt` (the tokens of `messages` rendered with the generation prompt) where a message, or
     the generated turn, starts; sorted, each inside (0, len(prompt)), only the ones proven by an exact prefix.
     With `prompt_text` (the rendered prompt), a prefix whose text is not a prefix of it is skipped untokenized."""
-    found: set[int] = set()
+    return starts_of(start_positions(tokenizer, messages, prompt, kwargs, prompt_text))
+
+
+def starts_of(positions: Mapping[int, int]) -> tuple[int, ...]:
+    """The sorted distinct starts of `start_positions`."""
+    return tuple(sorted(set(positions.values())))
+
+
+def start_positions(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
+                    kwargs: Mapping[str, Any], prompt_text: str | None = None) -> dict[int, int]:
+    """Message index → its proven start (index len(messages): the generated turn), for 1 ≤ index ≤ n."""
+    found: dict[int, int] = {}
     for i in range(1, len(messages) + 1):
         try:
             text = tokenizer.render(messages[:i], add_generation_prompt=False, **kwargs)
@@ -38,5 +56,15 @@ def message_starts(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt
         ids = tokenizer.encode(text)
         at = len(ids)
         if 0 < at < len(prompt) and tuple(prompt[:at]) == tuple(ids):
-            found.add(at)
-    return tuple(sorted(found))
+            found[i] = at
+    return found
+
+
+def keep_marks(messages: Sequence[Mapping[str, Any]], positions: Mapping[int, int]) -> KeepMarks:
+    """Where the history ends, the system prompt ends and the latest user message starts, from proven starts only
+    (an unproven one stays None: the history end then defaults to the prompt end)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    return KeepMarks(history=positions.get(len(messages)),
+                     system=positions.get(first) if first else None,
+                     rewind=positions.get(last_user) if last_user else None)

@@ -15,15 +15,15 @@ A request resumes from the longest kept state whose tokens are a prefix of its p
 prompt row to prefill, and whose cuts are exactly the cuts its own cold pass makes up to `at` (engine/cuts.py):
 then every row it reads was computed by the same arithmetic a fresh run does, and resumed == fresh bitwise.
 
-Bytes of the tier = distinct kept pages · page bytes + the copies; past `--prompt-cache-gib` the least recently
-used states go. A restore happens within admission, so no state is ever in use when eviction runs: a resumed
+Bytes of the tier = distinct kept pages · page bytes + the copies; past `--prompt-cache-gib` states go, moved-past
+ones first, then the least recently used (tiers/policy.py), into the tier below (`lower`, the host tier) when there
+is one, else dropped. A restore happens within admission, so no state is ever in use when eviction runs: a resumed
 stream holds the pages it shares through its own lease.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -32,6 +32,10 @@ from tensorfold.engine.cuts import plan_cuts
 from tensorfold.engine.memory import Claim, StreamMemory
 from tensorfold.kv import PagedStore
 from tensorfold.pool.pages import PoolCorrupt
+from tensorfold.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tensorfold.tiers.host import HostTier
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -40,7 +44,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 @attrs.define(eq=False)
 class KeptState:
-    """A stream's state at `at`: the prompt prefix, the cold cuts up to `at`, shared full pages and copies."""
+    """A stream's state at `at`: the prompt prefix, the cold cuts up to `at`, shared full pages and copies; `why`
+    the keep points it stands for, `passed` whether a later kept state moved past it (tiers/policy.py)."""
 
     tokens: tuple[int, ...]
     at: int
@@ -50,6 +55,8 @@ class KeptState:
     tail: tuple[tuple[int, str, torch.Tensor], ...] = attrs.field(repr=False)
     fixed: tuple[tuple[int, str, torch.Tensor], ...] = attrs.field(repr=False)
     hits: int = 0
+    why: frozenset[str] = frozenset()
+    passed: bool = False
 
     @property
     def copy_bytes(self) -> int:
@@ -57,29 +64,19 @@ class KeptState:
         return sum(_nbytes(t) for _, _, t in self.tail) + sum(_nbytes(t) for _, _, t in self.fixed)
 
 
-class DeviceTier:
-    """Kept states over one StreamMemory, within `budget` bytes, least recently used evicted first."""
+class DeviceTier(Tier[KeptState]):
+    """Kept states over one StreamMemory, within `budget` bytes; evicted ones move to `lower` when there is one."""
 
-    def __init__(self, memory: StreamMemory, budget: int) -> None:
+    name = "device"
+
+    def __init__(self, memory: StreamMemory, budget: int, lower: HostTier | None = None) -> None:
         if budget <= 0:
             raise ValueError(f"a prompt cache needs a budget above 0 bytes, got {budget}")
+        super().__init__(budget)
         self.memory = memory
-        self.budget = budget
+        self.lower = lower
         self.page_rows = memory.pool.page_rows if memory.pool is not None else None
         self.page_bytes = memory.kv.page_bytes if isinstance(memory.kv, PagedStore) else 0
-        self._states: OrderedDict[int, KeptState] = OrderedDict()
-        self._ids = itertools.count()
-        self.kept_total = 0
-        self.evicted = 0
-        self.hits = 0
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    @property
-    def states(self) -> list[KeptState]:
-        """Kept states, least recently used first."""
-        return list(self._states.values())
 
     @property
     def nbytes(self) -> int:
@@ -92,13 +89,10 @@ class DeviceTier:
 
     def has(self, tokens: tuple[int, ...], cuts: tuple[int, ...]) -> bool:
         """Whether this exact state is kept already (then it is marked used)."""
-        for key, state in self._states.items():
-            if state.at == len(tokens) and state.cuts == cuts and state.tokens == tokens:
-                self._states.move_to_end(key)
-                return True
-        return False
+        return self.find_exact(tokens, cuts) is not None
 
-    def snapshot(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...]) -> KeptState:
+    def snapshot(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
+                 why: frozenset[str] = frozenset()) -> KeptState:
         """The state a slot holds at `len(tokens)`, which must be the end of its last step (a cut in `cuts`)."""
         at = len(tokens)
         kv = self.memory.kv
@@ -116,66 +110,64 @@ class DeviceTier:
         fixed = tuple((i, spec.name, kv.fixed(i, spec.name, claim.slot).clone())
                       for i, layer in enumerate(kv.layout.layers) for spec in layer.fixed)
         return KeptState(tokens=tokens, at=at, cuts=cuts, pages=pages, tail_start=tail_start, tail=tuple(tail),
-                         fixed=fixed)
+                         fixed=fixed, why=frozenset(why))
+
+    def alone_bytes(self, state: KeptState) -> int:
+        """Bytes a state holds on its own: its pages and its copies."""
+        return len(state.pages) * self.page_bytes + state.copy_bytes
 
     def keep(self, state: KeptState) -> bool:
-        """Hold a state; evicts the least recently used past the budget. False when it alone does not fit."""
-        if self.page_rows is not None and len(state.pages) * self.page_bytes + state.copy_bytes > self.budget:
-            return False
-        if self.page_rows is None and state.copy_bytes > self.budget:
+        """Hold a state; past the budget others go (moved past first, then least recently used, into the tier
+        below when there is one). False, counted as refused, when it alone does not fit."""
+        if self.alone_bytes(state) > self.budget:
+            self.refused += 1
             return False
         if self.memory.pool is not None and state.pages:
             self.memory.pool.keep(state.pages)
-        self._states[next(self._ids)] = state
-        self.kept_total += 1
-        while self.nbytes > self.budget:
-            self.evict_one()
+        self._add(state)
+        while self.nbytes > self.budget and self.evict_one(spare=state):
+            pass
         return True
 
-    def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...]) -> bool:
+    def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
+                  why: frozenset[str] = frozenset()) -> bool:
         """Snapshot and keep the slot's state at `len(tokens)` unless that exact state is kept already."""
         if self.has(tokens, cuts):
             return False
-        return self.keep(self.snapshot(claim, tokens, cuts))
+        return self.keep(self.snapshot(claim, tokens, cuts, why))
 
-    def evict_one(self, spare: KeptState | None = None) -> bool:
-        """Drop the least recently used state (never `spare`); False when there is none to drop."""
-        for key, state in self._states.items():
-            if state is not spare:
-                self._drop(key)
-                return True
-        return False
+    def evict_one(self, spare: object | None = None) -> bool:
+        """Let one state go (never `spare`, the state being resumed or just kept): moved past first, then least
+        recently used; it moves to the tier below when there is one. False when there is none to let go."""
+        key = self._next_out(spare)
+        if key is None:
+            return False
+        if self.lower is not None:
+            self.lower.take(self._states[key], spare=spare)
+        self._drop(key)
+        self.evicted += 1
+        return True
 
     def _drop(self, key: int) -> None:
         state = self._states.pop(key)
         if self.memory.pool is not None and state.pages:
             self.memory.pool.unkeep(state.pages)
-        self.evicted += 1
 
     def clear(self) -> None:
-        """Drop every state."""
+        """Drop every state (nothing moves to the tier below)."""
         for key in list(self._states):
             self._drop(key)
+            self.evicted += 1
 
     # -- resuming -----------------------------------------------------------------------------------------------
 
     def lookup(self, prompt: tuple[int, ...], starts: tuple[int, ...], grid: int, min_chunk: int) -> KeptState | None:
         """The longest kept state this prompt may resume from: its tokens a prefix of the prompt, at least one
-        prompt row left, and its cuts the prompt's own cold cuts up to its `at`."""
-        cuts = plan_cuts(len(prompt), starts, grid, min_chunk)
-        best: tuple[int, KeptState] | None = None
-        for key, state in self._states.items():
-            if state.at >= len(prompt) or (best is not None and state.at <= best[1].at):
-                continue
-            if state.at not in cuts or tuple(c for c in cuts if c <= state.at) != state.cuts:
-                continue
-            if tuple(prompt[: state.at]) != state.tokens:
-                continue
-            best = (key, state)
-        if best is None:
-            return None
-        self._states.move_to_end(best[0])
-        return best[1]
+        prompt row left, and its cuts the prompt's own cold cuts up to its `at`; a miss is counted."""
+        found = self.find(prompt, plan_cuts(len(prompt), starts, grid, min_chunk))
+        if found is None:
+            self.misses += 1
+        return found
 
     def restore(self, state: KeptState, claim: Claim) -> None:
         """Put a kept state into a fresh claim taken with `shared=state.pages`: fixed states copied into the slot,
@@ -189,17 +181,26 @@ class DeviceTier:
         for i, name, tensor in state.tail:
             if tensor.shape[0]:
                 kv.write_rows(i, name, claim.slot, state.tail_start, tensor)
-        state.hits += 1
-        self.hits += 1
+        self._served(state)
 
     # -- accounting ---------------------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """The pool's kept holds are exactly the states' pages, and the tier is within its budget."""
+        """The pool's kept holds are exactly the states' pages, every state's pages and copies cover exactly its
+        rows, and the tier is within its budget."""
         counted: dict[int, int] = {}
+        layers = self.memory.kv.layout.layers
         for state in self._states.values():
             for page in state.pages:
                 counted[page] = counted.get(page, 0) + 1
+            if state.tail_start != len(state.pages) * (self.page_rows or 0) or state.at != len(state.tokens):
+                raise PoolCorrupt(f"a state kept at {state.at} holds {len(state.pages)} pages from row "
+                                  f"{state.tail_start}")
+            for i, name, tensor in state.tail:
+                every = next(s.every for s in layers[i].rows if s.name == name)
+                if tensor.shape[0] != state.at // every - state.tail_start // every:
+                    raise PoolCorrupt(f"a state kept at {state.at} copies {tensor.shape[0]} entries of layer {i} "
+                                      f"{name!r} from row {state.tail_start}")
         pool = self.memory.pool
         held = pool.kept_holds() if pool is not None else {}
         if counted != held:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import queue
+import functools
 import threading
 import time
 
 import pytest
+import resume_cases
+from resume_cases import Client
 
-from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, Sampling, TokenEvent
-from tensorfold.engine.memory import StreamMemory
+from tensorfold.engine.api import DoneEvent, ErrorEvent, Sampling
 from tensorfold.engine.runner import Engine
-from tensorfold.kv import PagedStore, WindowStore
-from tensorfold.pool.pages import PagePool
-from tensorfold.pool.slots import SlotPool
 from tensorfold.testing import kit
 
 CONTEXT = 160
@@ -40,35 +38,7 @@ def subject(example, tiny_dir):
     return kit.load(example, tiny_dir)
 
 
-def memory(subject, parallel: int, pages: bool = True, page_rows: int = 16, total: int | None = None,
-           poison: bool = True) -> StreamMemory:
-    layout = subject.declarations.layout
-    if not pages:
-        return StreamMemory(WindowStore(layout, parallel, CONTEXT, poison=poison), SlotPool(parallel), None)
-    total = total or parallel * -(-CONTEXT // page_rows)
-    return StreamMemory(PagedStore(layout, parallel, total, page_rows, poison=poison), SlotPool(parallel),
-                        PagePool(total, page_rows))
-
-
-class Client:
-    """Collects one request's events; can cancel after a number of tokens."""
-
-    def __init__(self, name: str, tokens: tuple[int, ...], sampling: Sampling, cancel_after: int | None = None):
-        self.tokens: list[int] = []
-        self.done: queue.Queue = queue.Queue()
-        self.cancel_after = cancel_after
-        self.request = Request(name, tokens, sampling, self.on_event)
-
-    def on_event(self, event) -> None:
-        if isinstance(event, TokenEvent):
-            self.tokens.append(event.token_id)
-            if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
-                self.request.cancel()
-        else:
-            self.done.put(event)
-
-    def result(self, timeout: float = 120.0):
-        return self.done.get(timeout=timeout)
+memory = functools.partial(resume_cases.memory, context=CONTEXT)  # pages of 16 rows, poisoned unless poison=False
 
 
 def run_all(engine: Engine, clients: list[Client], stagger_s: float = 0.0) -> None:

@@ -3,103 +3,33 @@ with no prompt cache gives, `cached_tokens` is the resume row, and memory comes 
 
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
+from resume_cases import (
+    CHUNK,
+    CONTEXT,
+    MIN_CHUNK,
+    PAGE_ROWS,
+    REPLY,
+    USERS,
+    Client,
+    ask,
+    converse,
+    engine,
+    fresh,
+    memory,
+    tokens,
+)
 
-from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, Sampling, TokenEvent
+from tensorfold.engine.api import Request, Sampling
 from tensorfold.engine.cuts import is_cut
-from tensorfold.engine.memory import StreamMemory
-from tensorfold.engine.runner import Engine
-from tensorfold.kv import PagedStore, WindowStore
-from tensorfold.pool.pages import PagePool
-from tensorfold.pool.slots import SlotPool
 from tensorfold.testing import kit
 from tensorfold.tiers import DeviceTier
-
-CONTEXT = 256
-CHUNK, MIN_CHUNK, PAGE_ROWS = 32, 8, 16
-REPLY = 10
-USERS = (45, 30, 27)  # each turn's new user message, in tokens
-
-
-def tokens(n: int, salt: int) -> tuple[int, ...]:
-    return tuple((i * 37 + salt * 13) % 500 + 3 for i in range(n))
-
-
-def memory(subject, parallel: int = 2, pages: bool = True, total: int | None = None) -> StreamMemory:
-    layout = subject.declarations.layout
-    if not pages:
-        return StreamMemory(WindowStore(layout, parallel, CONTEXT, poison=True), SlotPool(parallel), None)
-    total = total or parallel * -(-CONTEXT // PAGE_ROWS)
-    return StreamMemory(PagedStore(layout, parallel, total, PAGE_ROWS, poison=True), SlotPool(parallel),
-                        PagePool(total, PAGE_ROWS))
-
-
-class Client:
-    def __init__(self, name: str, prompt: tuple[int, ...], sampling: Sampling, starts=(), cancel_after=None):
-        self.tokens: list[int] = []
-        self.done: queue.Queue = queue.Queue()
-        self.cancel_after = cancel_after
-        self.request = Request(name, prompt, sampling, self.on_event, starts=starts)
-
-    def on_event(self, event) -> None:
-        if isinstance(event, TokenEvent):
-            self.tokens.append(event.token_id)
-            if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
-                self.request.cancel()
-        else:
-            self.done.put(event)
-
-    def result(self) -> DoneEvent:
-        event = self.done.get(timeout=120)
-        assert not isinstance(event, ErrorEvent), event
-        return event
-
-
-def engine(subject, mem: StreamMemory, tier: DeviceTier | None) -> Engine:
-    return Engine(subject.model, mem, prefill_chunk=CHUNK, context=CONTEXT, max_waiting=8, min_chunk=MIN_CHUNK,
-                  tier=tier)
-
-
-def ask(eng: Engine, client: Client) -> DoneEvent:
-    eng.submit(client.request)
-    return client.result()
-
-
-def fresh(subject, prompt, sampling, starts) -> list[int]:
-    """The same request on a fresh engine with no prompt cache."""
-    eng = engine(subject, memory(subject), None)
-    eng.start()
-    try:
-        client = Client("fresh", prompt, sampling, starts)
-        assert ask(eng, client).cached_tokens == 0
-        return client.tokens
-    finally:
-        eng.close()
 
 
 @pytest.fixture(scope="module")
 def subject(example, tiny_dir):
     return kit.load(example, tiny_dir)
-
-
-def converse(eng: Engine, sampling: Sampling, salt: int = 0, cancel_turn: int | None = None):
-    """Three turns, each prompt the last prompt + its reply + a new user message; starts at every message."""
-    prompt: tuple[int, ...] = ()
-    starts: tuple[int, ...] = ()
-    turns = []
-    for k, user in enumerate(USERS):
-        if prompt:
-            starts += (len(prompt),)  # the reply's start (the generated turn)
-            prompt += tuple(turns[-1][2])
-        starts += (len(prompt),) if prompt else ()
-        prompt += tokens(user, salt + k)
-        client = Client(f"t{k}", prompt, sampling, starts, cancel_after=3 if k == cancel_turn else None)
-        done = ask(eng, client)
-        turns.append((prompt, starts, client.tokens, done))
-    return turns
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0.0, max_tokens=REPLY),
@@ -151,7 +81,7 @@ def test_a_resume_shares_the_kept_pages_and_restores_them_byte_equal(subject):
     scheduler.waiting.append(Request("r", longer, Sampling(max_tokens=4), lambda e: None,
                                      starts=starts + (len(prompt), len(prompt) + len(reply))))
     (stream,) = scheduler.admit()
-    # turn 2 kept its state at its reply's start (a start cut): the longest prefix this prompt may resume from
+    # turn 2 kept its rewind cut at its user message's start: the longest prefix this prompt may resume from
     assert stream.position == stream.cached == len(prompt) + len(reply)
     state = next(s for s in tier.states if s.at == stream.cached)
     assert stream.claim.lease.pages[: len(state.pages)] == list(state.pages)

@@ -189,3 +189,19 @@ def test_triton_empty(device):
     empty_slots = torch.zeros(0, dtype=torch.long, device=device)
     y = triton_conv.causal_conv1d_update(torch.ones(0, 8, device=device), w, tail[None], empty_slots)
     assert y.shape == (0, 8)
+
+
+@pytest.mark.parametrize("path", ["naive", pytest.param("triton", marks=pytest.mark.triton)])
+def test_update_padded_rows_touch_no_tail(path, device):
+    """A negative slot is a padded row of a captured batch: zero output, every tail unchanged by it."""
+    dev = device if path == "triton" else "cpu"
+    from tensorfold.kernels.causal_conv1d import triton_conv
+    update = triton_conv.causal_conv1d_update if path == "triton" else naive.causal_conv1d_update
+    x, w, _, _ = inputs(4, 37, 4, torch.float32)
+    tails = randn(5, 37, 3, dtype=torch.float32, seed=12)
+    padded, live_only = tails.clone().to(dev), tails.clone().to(dev)
+    y = update(x.to(dev), w.to(dev), padded, torch.tensor([3, -1, 0, -1]).to(dev))
+    alone = update(x[[0, 2]].to(dev), w.to(dev), live_only, torch.tensor([3, 0]).to(dev))
+    assert torch.equal(y[[0, 2]].cpu(), alone.cpu())
+    assert torch.equal(y[[1, 3]].cpu(), torch.zeros(2, 37))
+    assert torch.equal(padded.cpu(), live_only.cpu())

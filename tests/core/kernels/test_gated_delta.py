@@ -329,3 +329,73 @@ def test_fla_adapter_in_the_interpreter(fla_interpreted):
     assert torch.equal(pool[[0, 2, 4]], ref_pool[[0, 2, 4]])
 
 
+
+
+@pytest.mark.parametrize("path", ["naive", pytest.param("triton", marks=pytest.mark.triton)])
+def test_step_padded_rows_touch_no_state(path, device):
+    """A negative slot is a padded row of a captured batch: zero output, no slot's state read or written."""
+    dev = device if path == "triton" else "cpu"
+    B, NK, NV, DK, DV = 3, 2, 4, 16, 8
+    q, k, v, g, beta = (t.to(dev) for t in rows(B, NK, NV, DK, DV, seed=9))
+    states = kept_state(4, NV, DK, DV).to(dev)
+    padded, live_only = states.clone(), states.clone()
+    out = gated_delta.recurrent_gated_delta_step(q, k, v, g, beta, padded, torch.tensor([-1, 2, -1]).to(dev),
+                                                 backend=path, **l2(DK))
+    alone = gated_delta.recurrent_gated_delta_step(q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], live_only,
+                                                   torch.tensor([2]).to(dev), backend=path, **l2(DK))
+    assert torch.equal(out[1:2].cpu(), alone.cpu())
+    assert torch.equal(out[[0, 2]].cpu(), torch.zeros(2, NV, DV))
+    assert torch.equal(padded.cpu(), live_only.cpu())
+
+
+def test_step_rejects_repeated_live_slots_but_not_repeated_pads():
+    B, NK, NV, DK, DV = 3, 2, 4, 16, 8
+    q, k, v, g, beta = rows(B, NK, NV, DK, DV, seed=9)
+    states = kept_state(4, NV, DK, DV)
+    gated_delta.recurrent_gated_delta_step(q, k, v, g, beta, states, [-1, 1, -1], **l2(DK))
+    with pytest.raises(ValueError, match="distinct"):
+        gated_delta.recurrent_gated_delta_step(q, k, v, g, beta, states, [1, 1, -1], **l2(DK))
+
+
+def _raw_gate(B: int, NV: int, device: str, dtype: torch.dtype, seed: int):
+    """Raw projections a, b [B, NV] (the model's dtype) and a layer's A_log, dt_bias [NV]."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, NV, generator=gen).to(device, dtype)
+    b = torch.randn(B, NV, generator=gen).to(device, dtype)
+    A_log = torch.empty(NV).uniform_(0, 2.7, generator=gen).to(device, dtype)
+    dt_bias = torch.randn(NV, generator=gen).to(device, dtype)
+    return a, b, A_log, dt_bias
+
+
+def test_naive_gated_step_is_the_unfused_step_bitwise():
+    """The gate computed from raw projections, then the step with q/k normalised: the models' own arithmetic."""
+    NK, NV, DK, DV = 2, 4, 16, 8
+    q, k, v, _, _ = rows(3, NK, NV, DK, DV, seed=13)
+    a, b, A_log, dt_bias = _raw_gate(3, NV, "cpu", torch.float32, seed=14)
+    states = kept_state(4, NV, DK, DV)
+    fused_pool, unfused_pool = states.clone(), states.clone()
+    slots = torch.tensor([3, -1, 1])
+    out = gated_delta.recurrent_gated_delta_step_gated(q, k, v, a, b, A_log, dt_bias, fused_pool, slots,
+                                                       scale=DK ** -0.5, backend="naive")
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    expected = naive.recurrent_gated_delta_step(q, k, v, g, torch.sigmoid(b).float(), unfused_pool, slots,
+                                                **l2(DK))
+    assert torch.equal(out, expected) and torch.equal(fused_pool, unfused_pool)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_gated_step_matches_naive(device, dtype):
+    NK, NV, DK, DV = 2, 4, 32, 16
+    q, k, v, _, _ = rows(3, NK, NV, DK, DV, device, dtype, seed=15)
+    a, b, A_log, dt_bias = _raw_gate(3, NV, device, dtype, seed=16)
+    a[0, 0], a[1, 1], a[2, 2] = 25.0, -18.0, 0.0                                    # softplus's three branches
+    states = kept_state(4, NV, DK, DV, device)
+    ref_pool, pool = states.clone(), states.clone()
+    slots = torch.tensor([2, 0, -1], device=device)
+    args = (q, k, v, a, b, A_log, dt_bias)
+    ref = gated_delta.recurrent_gated_delta_step_gated(*args, ref_pool, slots, scale=DK ** -0.5, backend="naive")
+    out = gated_delta.recurrent_gated_delta_step_gated(*args, pool, slots, scale=DK ** -0.5, backend="triton")
+    assert worst(pool, ref_pool) < 1e-5
+    assert relative(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(pool[[1, 3]], states[[1, 3]])

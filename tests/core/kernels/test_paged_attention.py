@@ -7,8 +7,6 @@ bf16 1e-2 abs + 1e-2 rel (the naive path rounds logits and probabilities to bf16
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,39 +15,7 @@ from tensorfold.kernels.paged_attention import naive
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_fixes():
-    """Two triton 3.6 interpreter bugs, patched while this module runs: range() over a loaded scalar calls int() on
-    a 1-element array, which numpy >= 2.4 refuses (triton#9171); tl.dot on bf16 multiplies the raw uint16 bits."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        yield
-        return
-    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def as_f32(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot", patched_dot)
-        yield
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")  # conftest: triton 3.6 interpreter bugs
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -50,7 +50,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, tail: torch.Ten
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, slots: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """One row each of B streams: x [B, C], weight [C, K], tails [S, C, K-1] (x's dtype; tails[slots] updated
-    in place), slots [B] distinct ints, bias [C] | None -> y [B, C] in x's dtype."""
+    in place), slots [B] distinct ints, bias [C] | None -> y [B, C] in x's dtype. A negative slot marks a padded
+    row (a captured batch larger than the streams in it): no tail is read or written and its y is zero."""
     K = _check_weights("causal_conv1d_update", x, weight, bias)
     B, C = x.shape
     if tails.dim() != 3 or tails.shape[1:] != (C, K - 1) or tails.dtype != x.dtype or tails.device != x.device:

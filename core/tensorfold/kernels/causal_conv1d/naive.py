@@ -30,10 +30,14 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, tails: torch.Ten
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """One new row for each of B streams; their tails sit at tails[slots] and shift by one in place.
 
-    x [B, C], weight [C, K], tails [S, C, K-1], slots [B] (distinct), bias [C] | None -> [B, C].
+    x [B, C], weight [C, K], tails [S, C, K-1], slots [B] (distinct; negative: a padded row, no tail touched,
+    output zeros), bias [C] | None -> [B, C].
     """
     C, K = weight.shape
-    window = torch.cat((tails[slots], x[:, :, None]), dim=2)                       # [B, C, K]
+    live = (slots >= 0).nonzero()[:, 0]                                            # rows with a stream
+    slots = slots[live]
+    window = torch.cat((tails[slots], x[live, :, None]), dim=2)                    # [b, C, K]
     tails[slots] = window[:, :, 1:]
-    out = F.conv1d(window, weight[:, None, :], bias, groups=C)[:, :, 0]            # [B, C]
-    return F.silu(out)
+    out = x.new_zeros(x.shape)
+    out[live] = F.silu(F.conv1d(window, weight[:, None, :], bias, groups=C)[:, :, 0])   # [b, C]
+    return out

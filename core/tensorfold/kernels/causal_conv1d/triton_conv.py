@@ -94,11 +94,13 @@ def _prefill_kernel(x_ptr, w_ptr, b_ptr, tail_ptr, y_ptr, T, C,
 def _update_kernel(x_ptr, w_ptr, b_ptr, tails_ptr, slots_ptr, y_ptr, C,
                    stride_xb, stride_wc, stride_ts, stride_tc, stride_tk, stride_yb,
                    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One row of stream b: y = silu([tail | x] · w), and its tail (at tails[slots[b]]) shifts left by one."""
+    """One row of stream b: y = silu([tail | x] · w), and its tail (at tails[slots[b]]) shifts left by one.
+    A negative slot is a padded row: no tail read or written, y = 0."""
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
     slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = slot >= 0
+    c_ok = (c < C) & live
     tail = tails_ptr + slot * stride_ts + c * stride_tc                            # [BC] pointers, column 0
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for k in tl.static_range(K - 1):                                               # each thread loads column k
@@ -112,7 +114,8 @@ def _update_kernel(x_ptr, w_ptr, b_ptr, tails_ptr, slots_ptr, y_ptr, C,
         tl.store(tail + (K - 2) * stride_tk, xv, mask=c_ok)
     if HAS_BIAS:
         acc += tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + b.to(tl.int64) * stride_yb + c, _silu_rounded(acc, y_ptr.dtype.element_ty), mask=c_ok)
+    y = tl.where(live, _silu_rounded(acc, y_ptr.dtype.element_ty), 0.0)
+    tl.store(y_ptr + b.to(tl.int64) * stride_yb + c, y.to(y_ptr.dtype.element_ty), mask=c < C)
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,13 @@ import logging
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from tensorfold.kernels.backend import triton_installed
 from tensorfold.kernels.gated_delta import fla_backend, naive
 
-__all__ = ["BACKENDS", "chunk_backend", "chunk_gated_delta", "recurrent_gated_delta_step", "step_backend"]
+__all__ = ["BACKENDS", "chunk_backend", "chunk_gated_delta", "gdn_gate", "recurrent_gated_delta_step",
+           "recurrent_gated_delta_step_gated", "step_backend"]
 
 BACKENDS = ("naive", "triton", "fla")
 MAX_HEAD_DIM = 256              # fla's chunked kernels stop there; ours keep a [DK, 32] state block per program
@@ -116,7 +118,8 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     place (the other slots are untouched).
 
     q, k [B, NK, DK]; v [B, NV, DV]; g [B, NV] float32; beta [B, NV]; states [S, NV, DK, DV] float32,
-    contiguous; slots [B] distinct (int tensor on the states' device, or host ints). Returns out [B, NV, DV] in v's
+    contiguous; slots [B] distinct (int tensor on the states' device, or host ints); a negative slot marks a
+    padded row (no state read or written, out zero; not on the fla backend). Returns out [B, NV, DV] in v's
     dtype. Distinctness is checked only for host slots (a device check would sync).
     """
     B, NK, DK, NV, DV = _check_rows(q, k, v, g, beta)
@@ -133,8 +136,9 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         host = _host_ints(slots, "slots")
         if len(host) != B:
             raise ValueError(f"slots must give {B} slots, got {len(host)}")
-    if host is not None and (len(set(host)) != len(host) or any(not 0 <= s < states.shape[0] for s in host)):
-        raise ValueError(f"slots must be distinct and in [0, {states.shape[0]}), got {host}")
+    live = [s for s in host if s >= 0] if host is not None else None
+    if live is not None and (len(set(live)) != len(live) or any(s >= states.shape[0] for s in live)):
+        raise ValueError(f"slots must be distinct and in [0, {states.shape[0]}) (negative: padded), got {host}")
     chosen = backend or step_backend(q.device)
     _announce("step", q.device.type, chosen)
     if chosen == "naive":
@@ -144,12 +148,48 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return triton_recurrent.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale,
                                                            qk_l2norm=qk_l2norm)
     if chosen == "fla":
+        if host is not None and len(live) != len(host):
+            raise ValueError("the fla backend takes no padded rows (negative slots)")
         return fla_backend.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale,
                                                       qk_l2norm=qk_l2norm)
     raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
 
 
-def _check_rows(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
+def gdn_gate(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gate from its raw projections: g = -exp(A_log)·softplus(a + dt_bias) (float32) and
+    beta = sigmoid(b) (in b's dtype, then float32), as the models compute them."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b).float()
+
+
+def recurrent_gated_delta_step_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                     b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                     states: torch.Tensor, slots: torch.Tensor, *, scale: float,
+                                     backend: str | None = None) -> torch.Tensor:
+    """The decode step straight from a GDN layer's projections, q and k l2-normalised in the kernel, the gate
+    (gdn_gate) computed in it: one launch where the unfused form takes a dozen small ones.
+
+    q, k [B, NK, DK], v [B, NV, DV] (one dtype, raw conv outputs); a, b [B, NV] (raw projections); A_log,
+    dt_bias [NV]; states and slots as in `recurrent_gated_delta_step`. Returns out [B, NV, DV] in v's dtype.
+    """
+    if a.shape != (q.shape[0], v.shape[1]) or b.shape != a.shape:
+        raise ValueError(f"a and b must be [{q.shape[0]}, {v.shape[1]}], got {tuple(a.shape)}, {tuple(b.shape)}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (v.shape[1],) or t.device != q.device:
+            raise ValueError(f"{name} must be [{v.shape[1]}] on {q.device}, got {tuple(t.shape)} on {t.device}")
+    chosen = backend or step_backend(q.device)
+    if chosen == "triton":
+        _check_rows(q, k, v, a, b, raw_gate=True)
+        _check_state(states, (None, v.shape[1], q.shape[2], v.shape[2]), q.device, "states")
+        from tensorfold.kernels.gated_delta import triton_recurrent
+        return triton_recurrent.recurrent_gated_delta_step(q, k, v, a, b, states, slots, scale=scale,
+                                                           qk_l2norm=True, gate=(A_log, dt_bias))
+    g, beta = gdn_gate(a, b, A_log, dt_bias)
+    return recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale, qk_l2norm=True, backend=chosen)
+
+
+def _check_rows(q, k, v, g, beta, raw_gate: bool = False) -> tuple[int, int, int, int, int]:
     """Shapes, dtypes and devices of the per-row inputs; returns (rows, NK, DK, NV, DV)."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must be [rows, NK, DK] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -166,7 +206,7 @@ def _check_rows(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
             raise ValueError(f"{name} must be [{rows}, {heads_v}], got {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if g.dtype != torch.float32:
+    if g.dtype != torch.float32 and not raw_gate:
         raise ValueError(f"g (log decay) must be float32, got {g.dtype}")
     if not beta.dtype.is_floating_point:
         raise ValueError(f"beta must be floating point, got {beta.dtype}")

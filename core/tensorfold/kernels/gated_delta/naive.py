@@ -97,13 +97,17 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One token for each of B streams whose states live in `slots` of a pool, updated in place.
 
     q, k [B, NK, DK]; v [B, NV, DV]; g, beta [B, NV]; states [S, NV, DK, DV] (its dtype is the math dtype,
-    float32); slots [B] distinct. Returns out [B, NV, DV] in v's dtype; the other slots are left untouched.
+    float32); slots [B] distinct, negative for a padded row (out zero). Returns out [B, NV, DV] in v's dtype;
+    the other slots are left untouched.
     """
     heads = v.shape[1]
     slots = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
     dtype = states.dtype
     out = v.new_empty(v.shape)
     for i, slot in enumerate(slots):
+        if slot < 0:                                                               # a padded row
+            out[i] = 0
+            continue
         qi, ki = prepare_qk(q[i:i + 1], k[i:i + 1], heads, scale, qk_l2norm, dtype)
         out[i] = recurrent_step(qi[0], ki[0], v[i].to(dtype), g[i].to(dtype), beta[i].to(dtype), states[slot])
     return out

@@ -22,21 +22,30 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels.triton_rounding import round_to
+
 BLOCK_V = 32        # value columns per program: DK x 32 float32 = 16 KiB of state at DK = 128
 NUM_WARPS = 4
 
 
 @triton.jit
-def _step_kernel(q, k, v, g, beta, states, slots, out,
+def _softplus(x):
+    """torch's softplus (threshold 20), in float32."""
+    return tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+
+
+@triton.jit
+def _step_kernel(q, k, v, g, beta, states, slots, out, A_log, dt_bias,
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
                  stride_ob, stride_oh, scale,
                  NV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr):
+                 BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATED: tl.constexpr):
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     i_kh = i_h // GROUP
     slot = tl.load(slots + i_b).to(tl.int64)
+    live = slot >= 0                                                               # negative: a padded row
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -49,11 +58,17 @@ def _step_kernel(q, k, v, g, beta, states, slots, out,
         b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
     b_q = b_q * scale
     b_v = tl.load(v + i_b * stride_vb + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_g = tl.load(g + i_b * stride_gb + i_h).to(tl.float32)
-    b_beta = tl.load(beta + i_b * stride_betab + i_h).to(tl.float32)
+    if GATED:       # g holds the raw projection a, beta the raw b: the GDN gate computed here
+        b_a = tl.load(g + i_b * stride_gb + i_h).to(tl.float32)
+        b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_a + tl.load(dt_bias + i_h).to(tl.float32))
+        b_b = tl.load(beta + i_b * stride_betab + i_h).to(tl.float32)
+        b_beta = round_to(1.0 / (1.0 + tl.exp(-b_b)), beta.dtype.element_ty).to(tl.float32)
+    else:
+        b_g = tl.load(g + i_b * stride_gb + i_h).to(tl.float32)
+        b_beta = tl.load(beta + i_b * stride_betab + i_h).to(tl.float32)
 
     p_s = states + (slot * NV + i_h) * (DK * DV) + o_k[:, None] * DV + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :] & live
     b_s = tl.load(p_s, mask=m_s, other=0.0)
     b_s = b_s * tl.exp(b_g)                                                        # decay
     predicted = tl.sum(b_s * b_k[:, None], 0)                                      # [BV]: Sᵀk
@@ -61,16 +76,21 @@ def _step_kernel(q, k, v, g, beta, states, slots, out,
     b_s = b_s + b_k[:, None] * delta[None, :]                                      # S += k ⊗ delta
     b_o = tl.sum(b_s * b_q[:, None], 0)                                            # [BV]: Sᵀq
     tl.store(p_s, b_s, mask=m_s)
+    b_o = tl.where(live, b_o, 0.0)
     tl.store(out + i_b * stride_ob + i_h * stride_oh + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | Sequence[int], *,
-                               scale: float = 1.0, qk_l2norm: bool = False) -> torch.Tensor:
-    """One token for each of B streams, in place: the naive module's contract.
+                               scale: float = 1.0, qk_l2norm: bool = False,
+                               gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One token for each of B streams, in place: the naive module's contract. With `gate` = (A_log, dt_bias),
+    g and beta are the raw projections a, b, and the kernel computes g = -exp(A_log)·softplus(a + dt_bias),
+    beta = sigmoid(b) (rounded to b's dtype).
 
     q, k [B, NK, DK]; v [B, NV, DV]; g, beta [B, NV]; states [S, NV, DK, DV] float32, contiguous; slots [B]
-    distinct (a tensor on the states' device, or ints). Returns out [B, NV, DV] in v's dtype.
+    distinct (a tensor on the states' device, or ints; negative: a padded row, no state touched, out zero).
+    Returns out [B, NV, DV] in v's dtype.
     """
     B, NK, DK = q.shape
     NV, DV = v.shape[1], v.shape[2]
@@ -83,9 +103,10 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return out
     BV = min(BLOCK_V, triton.next_power_of_2(DV))
     grid = (B, NV, triton.cdiv(DV, BV))
-    _step_kernel[grid](q, k, v, g, beta, states, slots, out,
+    A_log, dt_bias = gate if gate is not None else (g, g)
+    _step_kernel[grid](q, k, v, g, beta, states, slots, out, A_log, dt_bias,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        g.stride(0), beta.stride(0), out.stride(0), out.stride(1), scale,
                        NV=NV, GROUP=NV // NK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=BV,
-                       L2NORM=qk_l2norm, num_warps=NUM_WARPS)
+                       L2NORM=qk_l2norm, GATED=gate is not None, num_warps=NUM_WARPS)
     return out

@@ -1,0 +1,65 @@
+"""Routed experts of a mixture-of-experts layer (the part after the router): each row's k chosen experts' SwiGLUs,
+weighted and summed. Expert weights in HF transformers 5.x's fused layout (`Qwen3_5MoeExperts`): gate_up
+[N, 2F, E] with the gate rows first, then the up rows; down [N, E, F].
+
+Shapes: T rows, E hidden size, F expert intermediate size, N experts, k experts per row. Intermediates are
+rounded to x's dtype where tensorfold_qwen's torch `moe` rounds them.
+
+Tolerance, Triton vs naive, unit-scale outputs (tests/core/kernels/test_moe.py): float32 rtol = atol = 1e-5 (IEEE
+float32 dots, another summation order); bfloat16 rtol = atol = 2^-6 (bf16 intermediates may round one ulp apart,
+and a one-ulp gate or up moves the output by about that). The Triton path has no host sync (CUDA-graph
+capturable), is deterministic and batch invariant: see `triton_moe`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorfold.kernels.backend import use_triton
+
+__all__ = ["routed_experts"]
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, x: torch.Tensor) -> None:
+    """t is `shape` in `dtype` on x's device."""
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device:
+        raise ValueError(f"routed_experts: {name} must be {list(shape)} {dtype} on {x.device}, "
+                         f"got {list(t.shape)} {t.dtype} on {t.device}")
+
+
+def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+          down: torch.Tensor) -> None:
+    """Raise ValueError naming the first argument whose shape, dtype or device does not fit (no device reads)."""
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"routed_experts: x must be a floating [T, E] tensor, got {list(x.shape)} {x.dtype}")
+    T, E = x.shape
+    if chosen.dim() != 2 or chosen.shape[0] != T or chosen.shape[1] < 1:
+        raise ValueError(f"routed_experts: chosen must be [T, k] with T = {T} rows and k >= 1, "
+                         f"got {list(chosen.shape)}")
+    k = chosen.shape[1]
+    _check("chosen", chosen, (T, k), torch.long, x)
+    _check("weights", weights, (T, k), x.dtype, x)
+    if gate_up.dim() != 3 or gate_up.shape[0] < 1 or gate_up.shape[1] % 2:
+        raise ValueError(f"routed_experts: gate_up must be [N, 2F, E] (gate rows, then up rows) with N >= 1, "
+                         f"got {list(gate_up.shape)}")
+    N, F = gate_up.shape[0], gate_up.shape[1] // 2
+    _check("gate_up", gate_up, (N, 2 * F, E), x.dtype, x)
+    _check("down", down, (N, E, F), x.dtype, x)
+
+
+def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """x [T, E], chosen [T, k] long, weights [T, k] (x's dtype), gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
+    out[t] = Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
+
+    On the CPU the expert ids are checked to lie in [0, N); on the GPU that would cost a sync, so there an id
+    outside the range contributes nothing."""
+    check(x, chosen, weights, gate_up, down)
+    if use_triton(x):
+        from tensorfold.kernels.moe import triton_moe
+        return triton_moe.routed_experts(x, chosen, weights, gate_up, down)
+    N = gate_up.shape[0]
+    if not x.is_cuda and chosen.numel() and not bool(((chosen >= 0) & (chosen < N)).all()):
+        raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")
+    from tensorfold.kernels.moe import naive
+    return naive.routed_experts(x, chosen, weights, gate_up, down)

@@ -1,0 +1,26 @@
+"""The routed experts in plain torch: the CPU path and the reference the Triton kernels are tested against.
+
+Shapes: T rows, E hidden size, F expert intermediate size, N experts, k experts per row. It is tensorfold_qwen's
+`mlp.moe` loop op for op (each expert's SwiGLU on the rows that chose it, in x's dtype, weighted, then
+`index_add_` in ascending expert order), so on the CPU it agrees with the family's code bit for bit. The loop
+reads the chosen experts back to the host: fine on the CPU, a sync on a GPU (the Triton path has none).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
+    Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j]."""
+    out = torch.zeros_like(x)                                           # [T, E]
+    for expert in chosen.unique().tolist():
+        rows, rank = (chosen == expert).nonzero(as_tuple=True)          # which rows chose it, at which rank
+        picked = x[rows]                                                # [t, E]
+        gate, up = gate_up[expert].chunk(2)                             # [F, E] each
+        hidden = F.silu(F.linear(picked, gate)) * F.linear(picked, up)  # [t, F]
+        out.index_add_(0, rows, F.linear(hidden, down[expert]) * weights[rows, rank, None])
+    return out

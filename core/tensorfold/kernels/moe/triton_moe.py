@@ -1,0 +1,228 @@
+"""Triton routed experts: a grouped GEMM over the (row, j) pairs sorted by expert, with no host sync.
+
+    align (torch, on the device)  each row's k pairs ordered by expert id (the reference's sum order); all T·k
+        pairs sorted by expert (stable); each expert's group padded to BLOCK_M rows; `row_pair[r]` names the pair
+        at padded row r (P = T·k where none), `block_expert[b]` the expert of block b (N where none). At most
+        PAIR_BLOCKS_UP_TO pairs (decode) skip the grouping: block p holds pair p alone in its first row.
+    gate_up kernel, program (block b, F block)   h = round(round(silu(g)) · u), [g | u] = x[token] @ gate_up[e]ᵀ
+    down kernel, program (block b, E block)      c[pair] = round(round(h @ down[e]ᵀ) · weight[pair])
+    sum kernel, program (row t, E block)         out[t] = Σ_j c[t·k + j], j in order, rounded after each add
+
+Every size the launches see is a static bound of T, k, N and the config: P + min(N, P)·(BLOCK_M − 1) padded
+rows at most, so `cdiv(that, BLOCK_M)` blocks, of which those past the used rows find expert N and return. No
+.item(), .tolist(), nonzero, unique, bincount or boolean mask anywhere: the whole op can be captured in a CUDA
+graph. Each pair's contribution has one writer and the per-row sum runs in a fixed order (no atomics), so the
+result is deterministic. Expert ids outside [0, N) contribute nothing.
+
+Batch invariance: the config (block sizes, K-loop order, warps, dot precision) is a function of (E, F, dtype)
+alone, never of T, and a row's products read only its own x row and its experts' weights, so a row's output bits
+are the same alone or inside any batch. Float32 dots run in IEEE float32 (no TF32); bfloat16 dots accumulate in
+float32. Each intermediate is rounded to x's dtype where the reference's torch ops round; bfloat16 rounding is
+done on the bits (nearest even) because triton's interpreter truncates on `.to(tl.bfloat16)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from tensorfold.kernels.triton_rounding import round_to
+
+BLOCK_M = 16          # rows per expert block: every group is padded to a multiple of it
+PAIR_BLOCKS_UP_TO = 64  # at most this many (row, expert) pairs: one block per pair, no grouping
+
+
+@attrs.frozen
+class Config:
+    """Tile sizes and dot precision of one (E, F, dtype): never a function of the batch."""
+
+    block_f: int          # gate_up: output features per program
+    block_k_e: int        # gate_up: reduction step over E
+    block_e: int          # down: output features per program
+    block_k_f: int        # down: reduction step over F
+    block_sum: int        # sum: features per program
+    precision: str        # tl.dot input precision
+    num_warps: int = 4
+
+
+def config_for(E: int, F: int, dtype: torch.dtype) -> Config:
+    """The fixed config of a shape and dtype (tl.dot wants every tile dim ≥ 16)."""
+    def tile(size: int, most: int) -> int:
+        return max(16, min(most, triton.next_power_of_2(size)))
+
+    step = 32 if dtype == torch.float32 else 64
+    return Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
+                  block_sum=min(1024, triton.next_power_of_2(E)),
+                  precision="ieee" if dtype == torch.float32 else "tf32")
+
+
+@triton.jit(do_not_specialize=["P"])
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K_TOP,
+                    s_xt, s_we, s_wf, s_wk, s_hm, E: tl.constexpr, F: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """h[rows, f] = round(round(silu(g)) · u) for one expert block and F block; g, u rounded to h's dtype."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= N:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    ok = pair < P
+    token = (pair // K_TOP).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = f < F
+    base = w_ptr + expert.to(tl.int64) * s_we
+    acc_g = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
+    for k0 in range(0, E, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < E
+        a = tl.load(x_ptr + token[:, None] * s_xt + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & f_ok[None, :]
+        bg = tl.load(base + f[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask, other=0.0)
+        bu = tl.load(base + (f + F)[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+    ty = h_ptr.dtype.element_ty
+    g = round_to(acc_g, ty)
+    u = round_to(acc_u, ty)
+    silu = round_to(g / (1.0 + tl.exp(-g)), ty)
+    h = round_to(silu * u, ty)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + f[None, :], h, mask=ok[:, None] & f_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["P"])
+def _down_kernel(h_ptr, w_ptr, weight_ptr, c_ptr, row_pair_ptr, block_expert_ptr, P, N,
+                 s_hm, s_we, s_wn, s_wk, s_cp, E: tl.constexpr, F: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """c[pair, n] = round(round(h @ down[e]ᵀ) · weight[pair]) for one expert block and E block."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= N:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    ok = pair < P
+    n = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    n_ok = n < E
+    base = w_ptr + expert.to(tl.int64) * s_we
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < F
+        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * s_hm + kk[None, :], mask=ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(base + n[None, :].to(tl.int64) * s_wn + kk[:, None] * s_wk,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    ty = c_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+    c = round_to(round_to(acc, ty) * weight[:, None], ty)
+    tl.store(c_ptr + pair[:, None].to(tl.int64) * s_cp + n[None, :], c, mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(c_ptr, expert_ptr, out_ptr, N, s_cp, s_ot, E: tl.constexpr, K_TOP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = Σ_j c[t·k + j] in j order, rounded to out's dtype after each add (pairs of invalid experts skip)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < E
+    ty = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K_TOP):
+        pair = t * K_TOP + j
+        expert = tl.load(expert_ptr + pair)
+        c = tl.load(c_ptr + pair * s_cp + cols, mask=col_ok & (expert < N), other=0.0).to(tl.float32)
+        acc = round_to(acc + c, ty)
+    tl.store(out_ptr + t * s_ot + cols, acc, mask=col_ok)
+
+
+@attrs.frozen
+class Alignment:
+    """The pairs grouped by expert on the device; every shape here is a static bound, none read from data."""
+
+    expert: torch.Tensor          # [P] int32, pair t·k + j's expert (N where out of range), j in expert order
+    weight: torch.Tensor          # [P] x's dtype, the pair's routing weight
+    row_pair: torch.Tensor        # [blocks · BLOCK_M] int32, the pair at each padded row (P where none)
+    block_expert: torch.Tensor    # [blocks] int32, the expert of each block (N where unused)
+
+
+@functools.cache
+def _lone_rows(P: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """row_pair when pair p has block p to itself: its first row, the rest empty (P)."""
+    rows = torch.full((P, block_m), P, dtype=torch.int32, device=device)
+    rows[:, 0] = torch.arange(P, dtype=torch.int32, device=device)
+    return rows.reshape(P * block_m)
+
+
+def blocks_bound(P: int, N: int, block_m: int) -> int:
+    """Blocks enough for any routing: P pairs plus at most BLOCK_M − 1 padding rows per used expert."""
+    return triton.cdiv(P + min(N, P) * (block_m - 1), block_m)
+
+
+def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BLOCK_M) -> Alignment:
+    """Sort the (row, j) pairs by expert and pad each group to block_m rows, with device ops only; a few pairs
+    (decode) get a block each instead, which skips the grouping's dozen small launches."""
+    T, k = chosen.shape
+    P, device = T * k, chosen.device
+    ordered, perm = chosen.sort(dim=1, stable=True)                       # a row's pairs in ascending expert
+    weight = weights.gather(1, perm).reshape(P)
+    expert = ordered.reshape(P)
+    expert = torch.where((expert >= 0) & (expert < N), expert, N)         # out of range -> group N, dropped
+    if P <= PAIR_BLOCKS_UP_TO:
+        return Alignment(expert=expert.to(torch.int32), weight=weight, row_pair=_lone_rows(P, block_m, device),
+                         block_expert=expert.to(torch.int32))
+    grouped, order = torch.sort(expert, stable=True)                      # pairs grouped by expert
+    starts = torch.searchsorted(grouped, torch.arange(N + 1, device=device))   # [N + 1] each group's first place
+    rank = torch.arange(P, device=device) - starts[grouped]               # a pair's place in its group
+    counts = starts[1:] - starts[:-1]                                     # [N] pairs per expert
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)                                               # [N] padded group ends
+    blocks = blocks_bound(P, N, block_m)
+    rows = blocks * block_m
+    dest = torch.where(grouped < N, (ends - padded)[grouped.clamp(max=N - 1)] + rank, rows)
+    row_pair = torch.full((rows + 1,), P, dtype=torch.int32, device=device)
+    row_pair.scatter_(0, dest, order.to(torch.int32))                      # row `rows` collects the dropped
+    block_start = torch.arange(blocks, device=device) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    return Alignment(expert=expert.to(torch.int32), weight=weight, row_pair=row_pair[:rows],
+                     block_expert=block_expert)
+
+
+def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E], down [N, E, F] -> [T, E]."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    T, E = x.shape
+    k = chosen.shape[1]
+    N, F = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty_like(x)
+    if T == 0 or E == 0:
+        return out
+    if F == 0:
+        return out.zero_()
+    cfg = config_for(E, F, x.dtype)
+    plan = align(chosen, weights, N)
+    P, blocks = T * k, plan.block_expert.shape[0]
+    hidden = torch.empty((blocks * BLOCK_M, F), dtype=x.dtype, device=x.device)
+    contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(F, cfg.block_f))](
+        x, gate_up, hidden, plan.row_pair, plan.block_expert, P, N, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0), E=E, F=F,
+        BLOCK_M=BLOCK_M, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision,
+        num_warps=cfg.num_warps)
+    _down_kernel[(blocks, triton.cdiv(E, cfg.block_e))](
+        hidden, down, plan.weight, contrib, plan.row_pair, plan.block_expert, P, N,
+        hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), contrib.stride(0), E=E, F=F,
+        BLOCK_M=BLOCK_M, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k_f, PRECISION=cfg.precision,
+        num_warps=cfg.num_warps)
+    _sum_kernel[(T, triton.cdiv(E, cfg.block_sum))](
+        contrib, plan.expert, out, N, contrib.stride(0), out.stride(0), E=E, K_TOP=k, BLOCK=cfg.block_sum,
+        num_warps=cfg.num_warps)
+    return out

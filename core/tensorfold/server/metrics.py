@@ -1,0 +1,138 @@
+"""GET /metrics: Prometheus text read from the live engine at scrape time.
+
+One collector per app, in a registry of its own: no module-level metric objects, so two apps in one process
+(tests, or a second engine) never share or clash over counters. Every number comes from the objects that own
+it (the tiers' `stats()`, the page pool, the slots, the scheduler); the collector keeps nothing itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tensorfold.service import Service
+from tensorfold.tiers.stats import TierStats
+
+PREFIX = "tensorfold"
+
+
+@attrs.frozen
+class TierMetric:
+    """One per-tier number: its name, what it means, counter or gauge, and the TierStats field it reads."""
+
+    name: str
+    help: str
+    counter: bool
+    field: str
+
+
+TIER_METRICS: tuple[TierMetric, ...] = (
+    TierMetric("tier_kept", "States taken into the tier (kept there, or moved there from a faster tier).", True,
+               "kept"),
+    TierMetric("tier_hits", "Requests that resumed from a state of this tier.", True, "hits"),
+    TierMetric("tier_misses", "Lookups this tier could not serve.", True, "misses"),
+    TierMetric("tier_evicted", "States that left the tier (moved to a slower tier, or dropped).", True, "evicted"),
+    TierMetric("tier_refused", "States larger than the tier's budget, never taken in.", True, "refused"),
+    TierMetric("prompt_tokens_cached", "Prompt tokens resumed from this tier instead of prefilled.", True,
+               "cached_tokens"),
+    TierMetric("tier_states", "States the tier holds now.", False, "states"),
+    TierMetric("tier_bytes", "Bytes the tier holds now.", False, "bytes"),
+    TierMetric("tier_budget_bytes", "Bytes the tier may hold (--prompt-cache-gib, --host-cache-gib).", False,
+               "budget"),
+)
+
+
+def tier_stats(engine: Any) -> list[TierStats]:
+    """Every tier's TierStats now, fastest first; empty with every tier off (or an engine that has no tiers,
+    such as a wrapper a test puts in front of one)."""
+    return [tier.stats() for tier in getattr(engine, "tiers", ())]
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+class EngineCollector(Collector):
+    """Reads tiers, pool, slots and queues of one served model each time /metrics is scraped."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric, from the live objects (read from the HTTP thread: numbers may be a step old)."""
+        info = GaugeMetricFamily(f"{PREFIX}_model_info", "The served model (value always 1).",
+                                 labels=["model", "family"])
+        info.add_metric([self.service.model_name, self.service.family], 1)
+        yield info
+        yield from _settled(self._live)
+
+    def _live(self) -> list[Metric]:
+        engine = self.service.engine
+        return [*self._tiers(tier_stats(engine)), *self._requests(getattr(engine, "scheduler", None)),
+                *self._memory(getattr(engine, "memory", None))]
+
+    def _tiers(self, stats: list[TierStats]) -> Iterator[Metric]:
+        for metric in TIER_METRICS:
+            kind = CounterMetricFamily if metric.counter else GaugeMetricFamily
+            family = kind(f"{PREFIX}_{metric.name}", metric.help, labels=["tier"])
+            for one in stats:
+                family.add_metric([one.tier], getattr(one, metric.field))
+            yield family
+
+    def _requests(self, scheduler: Any) -> Iterator[Metric]:
+        if scheduler is None:
+            return
+        yield _gauge("requests_running", "Requests the engine is running (prefilling or decoding).",
+                     len(scheduler.running))
+        yield _gauge("requests_waiting", "Requests admitted to the engine's queue, waiting for a slot or pages.",
+                     len(scheduler.waiting))
+
+    def _memory(self, memory: Any) -> Iterator[Metric]:
+        if memory is None:
+            return
+        for name, help_text, value in _memory_numbers(memory):
+            yield _gauge(name, help_text, value)
+
+
+def _memory_numbers(memory: Any) -> list[tuple[str, str, int]]:
+    numbers = [("slots", "Stream slots (--parallel).", memory.slots.count),
+               ("slots_free", "Stream slots not in use.", memory.slots.free),
+               ("kv_bytes", "Bytes of the KV store: pages (or windows) and every slot's fixed states.",
+                memory.kv.nbytes)]
+    pool = memory.pool
+    if pool is not None:
+        numbers += [("pool_pages", "Pages in the pool.", pool.total),
+                    ("pool_page_rows", "Rows (tokens) per page.", pool.page_rows),
+                    ("pool_pages_free", "Pages on the free list.", pool.free),
+                    ("pool_pages_available", "Free pages no lease has reserved.", pool.available),
+                    ("pool_pages_leased", "Pages held by running streams' leases.", pool.leased),
+                    ("pool_pages_kept", "Pages held by kept states and by no lease.", pool.kept)]
+    return numbers
+
+
+def _settled(read: Callable[[], list[Metric]], tries: int = 5) -> list[Metric]:
+    """`read()`, again when the engine thread changed a dict or set while it was being walked (RuntimeError)."""
+    for _ in range(tries - 1):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return read()
+
+
+def metrics_endpoint(service: Service):
+    """The /metrics handler over a registry of its own holding one EngineCollector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(service))
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return metrics

@@ -1,0 +1,90 @@
+"""Which states are kept, which one a request resumes from, and which go first when a tier must make room.
+
+Keep points. A pass keeps its state at the last cut at or before each of its request's marks (engine/api.py
+KeepMarks, found by the server), so a later pass, whose cuts up to there are the same (engine/cuts.py), can resume:
+
+    history end   where the rendered history ends (the generated turn's start; the prompt end when unknown):
+                  the next turn of the conversation resumes here
+    system end    where the shared system prompt ends: another conversation on the same system prompt resumes here
+    rewind cut    where the latest user message starts: an edited or regenerated last turn resumes here
+
+Points land on cuts only; two marks on one cut make one state with both reasons; a point is dropped when it is
+closer than `--min-chunk` to the row the pass started at or to a point of higher priority (history, then system,
+then rewind).
+
+Moved past. Keeping a state T marks every kept state S whose tokens are a strict prefix of T's as moved past when
+S is a history end (the conversation went on), or a rewind cut and T is one too (the user wrote a newer message).
+A system end is never moved past: other conversations share it. Tiers evict moved-past states first, then the
+least recently used; never the state being resumed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+HISTORY = "history end"
+SYSTEM = "system end"
+REWIND = "rewind cut"
+
+
+class Marked(Protocol):
+    """What the policy reads of a kept state, whatever tier holds it."""
+
+    tokens: tuple[int, ...]
+    at: int
+    cuts: tuple[int, ...]
+    why: frozenset[str]
+    passed: bool
+
+
+def keep_points(cuts: Sequence[int], length: int, history: int | None, system: int | None, rewind: int | None,
+                start: int, min_chunk: int) -> dict[int, frozenset[str]]:
+    """Cut → reasons, for the cuts after `start` (where the pass began) that a pass over `length` rows keeps."""
+    chosen: dict[int, set[str]] = {}
+    for why, mark in ((HISTORY, length if history is None else history), (SYSTEM, system), (REWIND, rewind)):
+        if mark is None or not 0 < mark <= length:
+            continue
+        i = bisect_right(cuts, mark) - 1
+        if i < 0 or cuts[i] <= start:
+            continue
+        cut = cuts[i]
+        if cut in chosen:
+            chosen[cut].add(why)
+        elif cut - start >= min_chunk and all(abs(cut - other) >= min_chunk for other in chosen):
+            chosen[cut] = {why}
+    return {cut: frozenset(why) for cut, why in chosen.items()}
+
+
+def resumable(state: Marked, prompt: Sequence[int], cuts: Sequence[int]) -> bool:
+    """Whether a pass over `prompt` cut at `cuts` may resume from `state`: its tokens a prefix of the prompt, at
+    least one prompt row left, and its cuts the pass's own up to its `at`."""
+    if state.at >= len(prompt) or state.at not in cuts:
+        return False
+    return tuple(c for c in cuts if c <= state.at) == state.cuts and tuple(prompt[: state.at]) == state.tokens
+
+
+def moves_past(newer: Marked, older: Marked) -> bool:
+    """Whether keeping `newer` leaves `older` behind (module docstring)."""
+    if newer.at <= older.at or SYSTEM in older.why:
+        return False
+    if REWIND in older.why and REWIND not in newer.why:
+        return False
+    return newer.tokens[: older.at] == older.tokens
+
+
+def mark_passed(newer: Marked, states: Iterable[Marked]) -> int:
+    """Mark the states `newer` moves past; returns how many were newly marked."""
+    marked = 0
+    for state in states:
+        if state is not newer and not state.passed and moves_past(newer, state):
+            state.passed = True
+            marked += 1
+    return marked
+
+
+def eviction_order(states: Iterable[Marked], spare: object | None = None) -> list[Marked]:
+    """`states` (least recently used first) in the order they go: moved past first, then the rest; never `spare`."""
+    states = [s for s in states if s is not spare]
+    return [s for s in states if s.passed] + [s for s in states if not s.passed]

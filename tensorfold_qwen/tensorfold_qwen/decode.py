@@ -1,0 +1,115 @@
+"""The decode step on the GPU: one token for each of B streams, tensors in and out, no host sync, so a CUDA graph
+captures it (core's engine/graphs.py) and replays it for every batch padded to B.
+
+    x = embed(tokens)                                                              [B, E]
+    per layer:  h, x = norm(x + mixer output)     the residual add fused into the next norm
+                GDN:        one GEMM for every input projection, conv update, the delta step with its gate and
+                            q/k norms fused, on the streams' slots (padded rows touch none)
+                attention:  this row's key/value written through the page tables (padded rows write none),
+                            paged decode over keys [0, position]
+                ffn:        SwiGLU, or the routed MoE with no host sync
+    logits = lm_head(norm(x))                                                      [B, V] float32
+
+The same kernels as batched.py's one-row path, so a stream's rows compute what they compute there.
+Shapes in comments: B rows, E hidden, C conv channels, NK/NV key/value heads, DK/DV their dims, H/KV attention
+heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tensorfold.kernels.causal_conv1d import causal_conv1d_update
+from tensorfold.kernels.gated_delta import recurrent_gated_delta_step_gated
+from tensorfold.kernels.paged_attention import paged_decode
+from tensorfold.kernels.paged_write import row_ids, write_rows
+from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
+from tensorfold.kernels.rope import apply_rope
+from tensorfold.kernels.silu_gate import sigmoid_mul, silu_mul
+from tensorfold.kv import KvStore
+from tensorfold.plan import DecodeBatch
+from tensorfold_qwen.attention import AttentionWeights
+from tensorfold_qwen.gdn import GdnWeights
+from tensorfold_qwen.mlp import MoeWeights
+
+CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
+
+
+def decode(model, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
+    """One token per row through every layer; float32 logits [B, V] (rows of padding hold no meaning)."""
+    c, w = model.config, model.weights
+    page_rows = kv.row_pages(_first_attention(w), KEYS).shape[1]
+    dest = row_ids(batch.tables, batch.positions, batch.live, page_rows)                # [B] flat rows, -1 pads
+    lengths = batch.lengths
+    x = w.embed[batch.tokens]                                                           # [B, E]
+    h = rms_norm(x, w.layers[0].input_norm, c.rms_norm_eps, zero_centred=True)
+    for index, layer in enumerate(w.layers):
+        if isinstance(layer.mixer, GdnWeights):
+            mixed = gdn(layer.mixer, c, h, batch.slots, index, kv)
+        else:
+            mixed = attention(layer.mixer, c, h, batch.positions, batch.tables, dest, lengths, index, kv,
+                              model.inv_freq)
+        h, x = rms_norm(mixed, layer.post_norm, c.rms_norm_eps, zero_centred=True, residual=x)
+        out = ffn(layer.ffn, h)
+        following = w.layers[index + 1].input_norm if index + 1 < len(w.layers) else w.norm
+        h, x = rms_norm(out, following, c.rms_norm_eps, zero_centred=True, residual=x)
+    return F.linear(h, w.lm_head).float()
+
+
+def _first_attention(w) -> int:
+    return next(i for i, layer in enumerate(w.layers) if isinstance(layer.mixer, AttentionWeights))
+
+
+def ffn(w, h: torch.Tensor) -> torch.Tensor:
+    """The dense MLP, or the routed MoE's sync-free path."""
+    if isinstance(w, MoeWeights):
+        from tensorfold_qwen.mlp import moe_routed
+
+        return moe_routed(w, h)
+    return F.linear(silu_mul(F.linear(h, w.gate_proj), F.linear(h, w.up_proj)), w.down_proj)
+
+
+def gdn(w: GdnWeights, c, h: torch.Tensor, slots: torch.Tensor, index: int, kv: KvStore) -> torch.Tensor:
+    """Gated DeltaNet, one row per stream: [B, E] -> [B, E]. One GEMM for [qkv | z | b | a], the gate and the
+    q/k l2 norms inside the step kernel."""
+    B, C, Z, NV = h.shape[0], 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim, c.v_heads * c.v_dim, c.v_heads
+    proj = F.linear(h, w.in_proj)                                                       # [B, C + Z + 2·NV]
+    mixed = causal_conv1d_update(proj[:, :C], w.conv, kv.fixed_states(index, CONV), slots)   # [B, C]
+    q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
+    out = recurrent_gated_delta_step_gated(
+        q.reshape(B, c.k_heads, c.k_dim), k.reshape(B, c.k_heads, c.k_dim), v.reshape(B, NV, c.v_dim),
+        proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.A_log, w.dt_bias, kv.fixed_states(index, RECURRENT),
+        slots, scale=c.k_dim ** -0.5)                                                   # [B, NV, DV]
+    out = gated_rms_norm(out, proj[:, C: C + Z].reshape(B, NV, c.v_dim), w.norm, c.rms_norm_eps)
+    return F.linear(out.reshape(B, Z), w.out_proj)
+
+
+def attention(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+              dest: torch.Tensor, lengths: torch.Tensor, index: int, kv: KvStore,
+              inv_freq: torch.Tensor) -> torch.Tensor:
+    """Gated attention, one row per stream, keys in pages: [B, E] -> [B, E]. dest: each row's flat page row
+    (-1: write none); lengths: keys each row sees (0: none)."""
+    q, gate, k, v = attention_inputs(w, c, h, positions, inv_freq)
+    k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
+    write_rows(k_pages, k, dest)
+    write_rows(v_pages, v, dest)
+    return attention_output(w, paged_decode(q, k_pages, v_pages, tables, lengths, c.head_dim ** -0.5), gate)
+
+
+def attention_inputs(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, H, D], gate [N, H·D], k, v [N, KV, D] from one GEMM; q and k normalised and rotated."""
+    N, H, KV, D = h.shape[0], c.heads, c.kv_heads, c.head_dim
+    q, k, v = F.linear(h, w.qkv).split([2 * H * D, KV * D, KV * D], dim=-1)
+    q, gate = q.reshape(N, H, 2 * D).chunk(2, dim=-1)
+    q = rms_norm(q.reshape(N * H, D), w.q_norm, c.rms_norm_eps, zero_centred=True).view(N, H, D)
+    k = rms_norm(k.reshape(N * KV, D), w.k_norm, c.rms_norm_eps, zero_centred=True).view(N, KV, D)
+    q = apply_rope(q, positions, inv_freq, c.rotary_dim)
+    k = apply_rope(k, positions, inv_freq, c.rotary_dim)
+    return q, gate.reshape(N, H * D), k, v.reshape(N, KV, D)
+
+
+def attention_output(w: AttentionWeights, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output [N, H, D] gated by sigmoid(gate) and projected: [N, E]."""
+    return F.linear(sigmoid_mul(out.reshape(gate.shape), gate), w.o_proj)
