@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,17 @@ from tensorfold.memory_plan import (
 from tensorfold.plugins import installed_names, load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
-from tensorfold.refusals import Refusal, raise_if_any
+from tensorfold.refusals import Refusal, Refused, raise_if_any
 from tensorfold.service import Service
 from tensorfold.settings import Settings
 from tensorfold.tiers.device import DeviceTier
+from tensorfold.tiers.disk import DiskTier
 from tensorfold.tiers.host import HostTier
 from tensorfold.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
+PREFILL_PROBE_ROWS = 2048   # the timed chunk the payoff rule's prefill rate comes from (at most)
+BANDWIDTH_BYTES = 32 << 20  # the scratch file the store's read bandwidth is measured on
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,6 +91,7 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--host-cache-gib {settings.host_cache_gib} must be 0 (off) or above")
     if settings.kv_gib is not None and settings.kv_gib <= 0:
         found.append(f"--kv-gib {settings.kv_gib} must be above 0")
+    found += learn_refusals(settings)
     if settings.dtype not in ("auto", *DTYPES):
         found.append(f"--dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     try:
@@ -101,6 +106,55 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--family {family.name} serves {', '.join(family.model_types)}, but the checkpoint at "
                      f"{checkpoint.directory} is model_type {checkpoint.model_type!r}")
     return [Refusal("core", message) for message in found]
+
+
+def learn_refusals(settings: Settings) -> list[str]:
+    """The --learn-* flags' values (checked whether or not the disk tier is on), and with it on, its directory."""
+    found = []
+    if settings.learn_block_rows < 1:
+        found.append(f"--learn-block-rows {settings.learn_block_rows} must be at least 1")
+    if settings.learn_gib <= 0:
+        found.append(f"--learn-gib {settings.learn_gib} must be above 0")
+    if settings.learn_daily_gib is not None and settings.learn_daily_gib <= 0:
+        found.append(f"--learn-daily-gib {settings.learn_daily_gib} must be above 0 (leave it out for no daily "
+                     "limit)")
+    if settings.learn_min_free_gib < 0:
+        found.append(f"--learn-min-free-gib {settings.learn_min_free_gib} must be 0 or above")
+    if settings.learn:
+        root = settings.learn_root
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as err:
+            found.append(f"--learn-dir {root} cannot be created: {err.strerror or err}")
+        else:
+            if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+                found.append(f"--learn-dir {root} is not writable by this user")
+            else:
+                found += _lock_refusal(root)
+    return found
+
+
+def _lock_refusal(root: Path) -> list[str]:
+    """Whether another server holds the rows store's lock now (it is taken for good when the store opens)."""
+    from tensorfold.rows.api import StoreRefused
+    from tensorfold.rows.root import release_lock, take_lock
+
+    try:
+        release_lock(take_lock(root))
+    except StoreRefused as err:
+        return [f"--learn-dir: {err}"]
+    except OSError as err:
+        return [f"--learn-dir {root}: its lock cannot be taken: {err.strerror or err}"]
+    return []
+
+
+def layout_refusals(settings: Settings, layout: Layout) -> list[str]:
+    """What the family's Layout refuses of these settings: --learn-block-rows must hold whole pooled entries."""
+    everies = sorted({s.every for layer in layout.layers for s in layer.rows})
+    if settings.learn and settings.learn_block_rows >= 1 and any(settings.learn_block_rows % e for e in everies):
+        return [f"--learn-block-rows {settings.learn_block_rows} must be a multiple of every row state's entry "
+                f"size ({', '.join(map(str, everies))} rows)"]
+    return []
 
 
 def all_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) -> list[Refusal]:
@@ -205,15 +259,19 @@ def boot(settings: Settings, family: Family) -> Loaded:
     dtype = resolve_dtype(settings.dtype, device)
     declarations = family.declare(checkpoint.config, dtype)
     plan, refusals = memory_plan(settings, declarations.layout, checkpoint, device, dtype)
-    raise_if_any([Refusal("core", m) for m in refusals])
+    raise_if_any([Refusal("core", m) for m in refusals + layout_refusals(settings, declarations.layout)])
+    if not settings.learn and settings.learn_flags_given():
+        log.warning("%s given without --learn-conversations: nothing is kept on disk",
+                    ", ".join(settings.learn_flags_given()))
     model = family.load(checkpoint, dtype, device)
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
     memory = build_memory(plan, declarations.layout, settings, device)
+    disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device) if settings.learn else None
     model = decode_runner(model, memory, plan.parallel, settings)
     host_bytes = host_cache_bytes(settings)
     tier, host = build_tiers(settings, memory, host_bytes)
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
-                    min_chunk=settings.min_chunk, tier=tier, host=host)
+                    min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk)
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
@@ -221,11 +279,64 @@ def boot(settings: Settings, family: Family) -> Loaded:
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON"),
                             "prompt_cache_gib": settings.prompt_cache_gib, "host_cache_bytes": host_bytes,
-                            "host_cache_pinned": host is not None and host.pin})
+                            "host_cache_pinned": host is not None and host.pin, **learn_plan(settings, disk)})
     log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,
              checkpoint.directory, device, str(dtype).removeprefix("torch."), plan.parallel, settings.context,
              memory.kv.nbytes / 2**20, f"{plan.pages} pages of {plan.page_rows} rows"
              if settings.switch("TF_KV_PAGES") else "one window per stream")
     log.info("kept prompt states: %s", tiers_line(settings, host_bytes, host is not None and host.pin))
+    if disk is not None:
+        log.info("kept prompt states on disk: %s", disk_line(disk))
     return Loaded(settings=settings, family=family, checkpoint=checkpoint, declarations=declarations,
                   device=device, dtype=dtype, service=service, engine=engine)
+
+
+def build_disk(settings: Settings, checkpoint: Checkpoint, declarations: Declarations, model: FamilyModel,
+               memory: StreamMemory, dtype: torch.dtype, device: torch.device) -> DiskTier:
+    """The disk tier: the probe and the identity, the rows store (refused by name when locked or of another
+    format), and the payoff rule's inputs measured once: the store's read bandwidth and the model's prefill rate."""
+    from functools import partial
+
+    from tensorfold.image import row_offset
+    from tensorfold.rows.api import StoreRefused
+    from tensorfold.rows.identity import identity_facts, prefill_rate, probe_hash, probe_rows, room
+    from tensorfold.rows.store import RowsStore
+
+    chunk = probe_rows(memory, settings.min_chunk, settings.prefill_chunk, settings.context)
+    facts = identity_facts(checkpoint, declarations, dtype, device, probe_hash(model, memory, declarations, chunk))
+    try:
+        store = RowsStore(settings.learn_root, facts, row_offset=partial(row_offset, declarations.layout,
+                                                                         declarations.image),
+                          block_rows=settings.learn_block_rows, cap_bytes=int(settings.learn_gib * GIB),
+                          daily_bytes=None if settings.learn_daily_gib is None else int(settings.learn_daily_gib * GIB),
+                          min_free_bytes=int(settings.learn_min_free_gib * GIB))
+    except StoreRefused as err:
+        raise Refused([Refusal("core", f"--learn-dir: {err}")]) from err
+    try:
+        rows = max(1, min(settings.prefill_chunk, settings.context - 1, PREFILL_PROBE_ROWS, room(memory)))
+        return DiskTier(memory, store, declarations.image, read_bytes_per_s=store.read_bandwidth(BANDWIDTH_BYTES),
+                        prefill_rows_per_s=prefill_rate(model, memory, rows),
+                        verify=settings.switch("TF_IMPRINT_VERIFY"))
+    except BaseException:
+        store.close()
+        raise
+
+
+def learn_plan(settings: Settings, disk: DiskTier | None) -> dict[str, object]:
+    """The disk tier in /memory's plan (nothing when it is off): where, its identity, caps and payoff inputs."""
+    if disk is None:
+        return {}
+    return {"learn": True, "learn_dir": str(settings.learn_root), "learn_identity": disk.store.identity,
+            "learn_block_rows": settings.learn_block_rows, "learn_bytes": disk.store.cap_bytes,
+            "learn_daily_bytes": disk.store.daily_bytes, "learn_min_free_bytes": disk.store.min_free_bytes,
+            "learn_read_bytes_per_s": round(disk.read_bytes_per_s),
+            "learn_prefill_rows_per_s": round(disk.prefill_rows_per_s),
+            "learn_verify": disk.verify}
+
+
+def disk_line(disk: DiskTier) -> str:
+    """The disk tier for the startup log."""
+    stats = disk.store.stats()
+    return (f"{disk.store.directory} ({stats.states} states, {size(stats.bytes)} of {size(stats.budget)}); "
+            f"reads {size(disk.read_bytes_per_s)}/s, prefill {disk.prefill_rows_per_s:,.0f} rows/s"
+            f"{'; TF_IMPRINT_VERIFY on' if disk.verify else ''}")

@@ -11,10 +11,14 @@ from typing import Annotated
 
 import typer
 
+from tensorfold import learned_cli
 from tensorfold.family import PluginError
 from tensorfold.refusals import Refused
 from tensorfold.settings import (
     DEFAULT_CONTEXT,
+    DEFAULT_LEARN_BLOCK_ROWS,
+    DEFAULT_LEARN_GIB,
+    DEFAULT_LEARN_MIN_FREE_GIB,
     DEFAULT_MIN_CHUNK,
     DEFAULT_PAGE_ROWS,
     DEFAULT_PREFILL_CHUNK,
@@ -24,6 +28,7 @@ from tensorfold.settings import (
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve hybrid LLMs that resume conversations.")
+app.add_typer(learned_cli.app, name="learned")
 
 FamilyOpt = Annotated[str | None, typer.Option("--family", help="Family name (an installed entry point).")]
 ModelOpt = Annotated[Path | None, typer.Option("--model", help="HF-format checkpoint directory; "
@@ -46,6 +51,20 @@ PromptCacheOpt = Annotated[float, typer.Option("--prompt-cache-gib", help="Kept 
 HostCacheOpt = Annotated[float | None, typer.Option("--host-cache-gib", help="Kept prompt states in GiB of host "
                                                     "memory (pinned on CUDA), where the device tier's evicted "
                                                     "states go; default a quarter of available RAM; 0 turns it off.")]
+LearnOpt = Annotated[bool, typer.Option("--learn-conversations", help="Keep prompt states on disk too (the rows "
+                                       "store): states the host tier lets go, and those kept at shutdown, are "
+                                       "written to --learn-dir, and a later turn reads them back, after an "
+                                       "eviction or a restart.")]
+LearnDirOpt = Annotated[Path | None, typer.Option("--learn-dir", help="The rows store's directory (default "
+                                                  "~/.cache/tensorfold/learned).")]
+LearnBlockOpt = Annotated[int, typer.Option("--learn-block-rows", help="Rows per block on disk; states sharing a "
+                                            "prefix share its blocks.")]
+LearnGibOpt = Annotated[float, typer.Option("--learn-gib", help="Disk the rows store may use, in GiB, every "
+                                            "identity together.")]
+LearnDailyOpt = Annotated[float | None, typer.Option("--learn-daily-gib", help="GiB the rows store may write per "
+                                                     "day (default: no limit); past it states stay in RAM only.")]
+LearnFreeOpt = Annotated[float, typer.Option("--learn-min-free-gib", help="Writing pauses while the disk has less "
+                                             "free space than this, in GiB; serving goes on.")]
 
 
 def _parallel(value: str) -> int | None:
@@ -86,6 +105,12 @@ def serve(
     kv_gib: KvGibOpt = None,
     prompt_cache_gib: PromptCacheOpt = DEFAULT_PROMPT_CACHE_GIB,
     host_cache_gib: HostCacheOpt = None,
+    learn_conversations: LearnOpt = False,
+    learn_dir: LearnDirOpt = None,
+    learn_block_rows: LearnBlockOpt = DEFAULT_LEARN_BLOCK_ROWS,
+    learn_gib: LearnGibOpt = DEFAULT_LEARN_GIB,
+    learn_daily_gib: LearnDailyOpt = None,
+    learn_min_free_gib: LearnFreeOpt = DEFAULT_LEARN_MIN_FREE_GIB,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: dir name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
@@ -98,7 +123,9 @@ def serve(
                                      served_name=served_model_name,
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
                                      kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib,
-                                     host_cache_gib=host_cache_gib)
+                                     host_cache_gib=host_cache_gib, learn=learn_conversations, learn_dir=learn_dir,
+                                     learn_block_rows=learn_block_rows, learn_gib=learn_gib,
+                                     learn_daily_gib=learn_daily_gib, learn_min_free_gib=learn_min_free_gib)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)

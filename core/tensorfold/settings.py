@@ -15,10 +15,14 @@ DEFAULT_PREFILL_CHUNK = 2048
 DEFAULT_PAGE_ROWS = 256
 DEFAULT_MIN_CHUNK = 256  # a request start closer than this to the previous prefill cut merges into it
 DEFAULT_PROMPT_CACHE_GIB = 1.0  # kept prompt states (the device tier); 0 turns the tier off
+DEFAULT_LEARN_BLOCK_ROWS = 256  # rows per shared block of the rows store on disk
+DEFAULT_LEARN_GIB = 32.0        # the rows store's cap, every identity together
+DEFAULT_LEARN_MIN_FREE_GIB = 4.0  # writing pauses below this much free disk; serving goes on
 CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
     ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
     ("TF_CUDA_GRAPHS", True),  # on: decode steps replay CUDA graphs (GPU only); off: the same decode, eager
+    ("TF_IMPRINT_VERIFY", False),  # on: every state written to disk is read back and compared byte for byte
 )
 
 
@@ -65,8 +69,28 @@ class Settings:
     kv_gib: float | None = None
     prompt_cache_gib: float = DEFAULT_PROMPT_CACHE_GIB
     host_cache_gib: float | None = None  # the host tier of kept states; None: a share of available RAM (boot)
+    learn: bool = False                    # --learn-conversations: the disk tier (rows store) on
+    learn_dir: Path | None = None          # None: `learned` under cache_dir
+    learn_block_rows: int = DEFAULT_LEARN_BLOCK_ROWS
+    learn_gib: float = DEFAULT_LEARN_GIB
+    learn_daily_gib: float | None = None   # None: no daily write budget
+    learn_min_free_gib: float = DEFAULT_LEARN_MIN_FREE_GIB
     cache_dir: Path = attrs.field(factory=lambda: cache_home(os.environ))
     switches: Mapping[str, bool] = attrs.field(factory=lambda: dict(CORE_SWITCHES), converter=dict)
+
+    @property
+    def learn_root(self) -> Path:
+        """The rows store's directory: --learn-dir, else `learned` under the cache directory."""
+        return Path(self.learn_dir).expanduser() if self.learn_dir is not None else self.cache_dir / "learned"
+
+    def learn_flags_given(self) -> list[str]:
+        """The --learn-* flags set away from their defaults (they do nothing without --learn-conversations)."""
+        given = [("--learn-dir", self.learn_dir is not None),
+                 ("--learn-block-rows", self.learn_block_rows != DEFAULT_LEARN_BLOCK_ROWS),
+                 ("--learn-gib", self.learn_gib != DEFAULT_LEARN_GIB),
+                 ("--learn-daily-gib", self.learn_daily_gib is not None),
+                 ("--learn-min-free-gib", self.learn_min_free_gib != DEFAULT_LEARN_MIN_FREE_GIB)]
+        return [flag for flag, set_ in given if set_]
 
     def switch(self, name: str) -> bool:
         """A switch read at startup; asking for one that was not read is a bug, not a default."""

@@ -20,6 +20,7 @@ from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 if TYPE_CHECKING:
     from tensorfold.tiers.device import DeviceTier
+    from tensorfold.tiers.disk import DiskTier
     from tensorfold.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,13 @@ class Engine:
 
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
                  max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
-                 host: HostTier | None = None) -> None:
+                 host: HostTier | None = None, disk: DiskTier | None = None) -> None:
         self.model = model
         self.memory = memory
         self.tier = tier
         self.host = host
-        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host)
+        self.disk = disk
+        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host, disk)
         self.context = context
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -46,7 +48,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
 
     @property
-    def tiers(self) -> tuple[DeviceTier | HostTier, ...]:
+    def tiers(self) -> tuple[DeviceTier | HostTier | DiskTier, ...]:
         """The kept-state tiers, fastest first (each has `stats()`, `describe()`, `check_integrity()`)."""
         kept = self.scheduler.tiers
         return kept.tiers if kept is not None else ()
@@ -61,9 +63,17 @@ class Engine:
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop; streams still running are cancelled."""
-        self._inbox.put(None)
-        self._thread.join(timeout)
+        """Stop; streams still running are cancelled; with a disk tier, the states kept in RAM are written within
+        its flush bound (tiers/disk.py)."""
+        if self._thread.ident is None:  # never started: stop here, in this thread
+            self._stopping = True
+            with torch.inference_mode():
+                self.scheduler.shutdown()
+        else:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+        if self.scheduler.tiers is not None:
+            self.scheduler.tiers.close()
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises QueueFull when --max-waiting requests already wait."""
@@ -83,6 +93,7 @@ class Engine:
                 self._step()
             for stream in list(self.scheduler.running):
                 self._end(stream, "cancelled")
+            self.scheduler.shutdown()
 
     def _check_memory(self) -> None:
         """With nothing running, every page and slot must be back; a failure is logged and shown on /memory."""

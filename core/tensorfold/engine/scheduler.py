@@ -7,8 +7,9 @@
                 min_chunk) (engine/cuts.py): the absolute grid when the request has no starts
     admission:  with kept tiers (tiers/chain.py), a request resumes from the longest kept state any tier holds
                 that it may resume from (a device state's full pages are shared by its lease; a host state is
-                copied in); when its lease does not fit, device states are let go (into the host tier), moved-past
-                ones first, then the least recently used, never the one it resumes from, before it waits
+                copied in; a disk state is read and put back, or, failing its check, the request prefills); when
+                its lease does not fit, device states are let go (into the host tier), moved-past ones first, then
+                the least recently used, never the one it resumes from, before it waits
     keeping:    a prefilling stream's state is kept after the steps that end at its keep points: the last cut at
                 or before its history end, system end and rewind mark, at least min_chunk apart (tiers/policy.py)
 """
@@ -32,6 +33,7 @@ from tensorfold.tiers.policy import keep_points
 
 if TYPE_CHECKING:
     from tensorfold.tiers.device import DeviceTier
+    from tensorfold.tiers.disk import DiskTier
     from tensorfold.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -42,11 +44,13 @@ class Scheduler:
 
     def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int,
                  min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
-                 host: HostTier | None = None) -> None:
+                 host: HostTier | None = None, disk: DiskTier | None = None) -> None:
         self.memory = memory
         self.tier = tier
         self.host = host
-        self.tiers = KeptTiers(tier, host) if tier is not None or host is not None else None
+        self.disk = disk
+        kept = tier is not None or host is not None or disk is not None
+        self.tiers = KeptTiers(tier, host, disk) if kept else None
         self.context = context
         self.prefill_chunk = prefill_chunk
         self.min_chunk = min_chunk
@@ -76,9 +80,7 @@ class Scheduler:
             claim = self.memory.take(request.id, reach, shared)
             stream = Stream(request, claim, Sampler(request.sampling), cuts=cuts)
             if self.tiers is not None:
-                self.tiers.admitted(hit, claim)
-                if hit is not None:
-                    stream.position = stream.cached = hit.state.at
+                stream.position = stream.cached = self.tiers.admitted(hit, claim, request.id)
                 marks = request.marks
                 stream.keep_at = keep_points(cuts, len(request.prompt), marks.history, marks.system, marks.rewind,
                                              stream.position, self.min_chunk)
@@ -91,7 +93,7 @@ class Scheduler:
 
     def _log_resume(self, stream: Stream, hit: Hit | None) -> None:
         rows = stream.prompt_len
-        if hit is None:
+        if hit is None or not stream.cached:
             log.info("%s: no kept state; prefilling %s rows", stream.request.id, f"{rows:,}")
         else:
             log.info("%s: resumed at %s of %s from %s", stream.request.id, f"{hit.state.at:,}", f"{rows:,}",
@@ -115,6 +117,8 @@ class Scheduler:
         reasons = ", ".join(sorted(why))
         if keep.tier is None:
             log.info("%s: not kept at %s (%s): larger than every tier", stream.request.id, f"{end:,}", reasons)
+        elif keep.tier == "disk":
+            log.info("%s: staged at %s (%s) for disk", stream.request.id, f"{end:,}", reasons)
         elif keep.fresh:
             log.info("%s: kept at %s (%s) on %s", stream.request.id, f"{end:,}", reasons, keep.tier)
         else:
@@ -142,6 +146,13 @@ class Scheduler:
         for stream, share in shares:
             self.memory.extend(stream.claim, share.end)
         return StepPlan(tuple(share for _, share in shares)), [stream for stream, _ in shares]
+
+    def shutdown(self) -> None:
+        """The engine stopped: stage the states still kept in RAM for the disk tier (when there is one)."""
+        if self.tiers is not None:
+            staged = self.tiers.spill()
+            if staged:
+                log.info("staged %d kept state(s) for disk at shutdown", staged)
 
     def finish(self, stream: Stream) -> None:
         """Take a stream out and return everything it holds."""

@@ -1,8 +1,11 @@
-"""Kept prompt states: where a conversation's next turn resumes instead of prefilling its history again."""
+"""Kept prompt states: where a conversation's next turn resumes instead of prefilling its history again (device,
+host and disk tiers)."""
 
 from tensorfold.tiers.chain import Hit, Keep, KeptTiers
 from tensorfold.tiers.device import DeviceTier, KeptState
+from tensorfold.tiers.disk import DiskState, DiskTier
 from tensorfold.tiers.host import HostState, HostTier
 from tensorfold.tiers.stats import TierStats
 
-__all__ = ["DeviceTier", "Hit", "HostState", "HostTier", "Keep", "KeptState", "KeptTiers", "TierStats"]
+__all__ = ["DeviceTier", "DiskState", "DiskTier", "Hit", "HostState", "HostTier", "Keep", "KeptState", "KeptTiers",
+           "TierStats"]

@@ -1,9 +1,13 @@
 """The tiers together, fastest first: where a state is kept, which tier a request resumes from, and the counts.
 
-    keep     on the device; when the device tier is off or refuses it (larger than the tier), in the host tier
-    lookup   the longest state any tier may resume from (device first on a tie); the tier that serves it counts a
-             hit, every other tier a miss, once per admitted request
-    evict    the device tier lets a state go into the host tier (tiers/device.py); the host tier drops
+    keep     on the device; when the device tier is off or refuses it (larger than the tier), in the host tier;
+             when both are off or refuse it, staged for the disk tier
+    lookup   the longest state any tier may resume from (device first on a tie; the disk only when longer and
+             worth reading, tiers/disk.py); the tier that serves it counts a hit, every other tier a miss, once
+             per admitted request
+    evict    the device tier lets a state go into the host tier (tiers/device.py), or into the disk tier when there
+             is no host tier or the host refuses it; the host tier lets its states go into the disk tier, or drops
+    close    at shutdown the states still kept in RAM are staged for the disk and its queue is flushed
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import attrs
 
 from tensorfold.engine.memory import Claim
 from tensorfold.tiers.device import DeviceTier, KeptState
+from tensorfold.tiers.disk import DiskState, DiskTier
 from tensorfold.tiers.host import HostState, HostTier
 from tensorfold.tiers.policy import mark_passed
 from tensorfold.tiers.stats import TierStats
@@ -21,8 +26,8 @@ from tensorfold.tiers.stats import TierStats
 class Hit:
     """The state a request resumes from, and the tier holding it."""
 
-    tier: DeviceTier | HostTier
-    state: KeptState | HostState
+    tier: DeviceTier | HostTier | DiskTier
+    state: KeptState | HostState | DiskState
 
 
 @attrs.frozen
@@ -33,34 +38,61 @@ class Keep:
     fresh: bool = True
 
 
-class KeptTiers:
-    """The device tier and the host tier below it; either may be off."""
+class _HostThenDisk:
+    """Where a device state let go goes: the host tier, and the disk tier when the host refuses it."""
 
-    def __init__(self, device: DeviceTier | None, host: HostTier | None) -> None:
-        if device is None and host is None:
-            raise ValueError("kept tiers need a device tier, a host tier or both")
+    def __init__(self, host: HostTier, disk: DiskTier) -> None:
+        self.host = host
+        self.disk = disk
+
+    def take(self, state: KeptState, spare: object | None = None) -> bool:
+        return self.host.take(state, spare=spare) or self.disk.take(state)
+
+
+class KeptTiers:
+    """The device tier, the host tier below it and the disk tier below both; any may be off, not all."""
+
+    def __init__(self, device: DeviceTier | None, host: HostTier | None, disk: DiskTier | None = None) -> None:
+        if device is None and host is None and disk is None:
+            raise ValueError("kept tiers need a device tier, a host tier, a disk tier or some of them")
         self.device = device
         self.host = host
+        self.disk = disk
+        if host is not None:
+            host.lower = disk
         if device is not None:
-            device.lower = host
-        self.tiers: tuple[DeviceTier | HostTier, ...] = tuple(t for t in (device, host) if t is not None)
+            device.lower = host if disk is None else disk if host is None else _HostThenDisk(host, disk)
+        self.ram: tuple[DeviceTier | HostTier, ...] = tuple(t for t in (device, host) if t is not None)
+        self.tiers: tuple[DeviceTier | HostTier | DiskTier, ...] = tuple(
+            t for t in (device, host, disk) if t is not None)
 
     def lookup(self, prompt: tuple[int, ...], cuts: tuple[int, ...]) -> Hit | None:
         """The longest state a pass over `prompt` cut at `cuts` may resume from, in any tier; counts nothing."""
         best: Hit | None = None
-        for tier in self.tiers:
+        for tier in self.ram:
             state = tier.find(prompt, cuts)
             if state is not None and (best is None or state.at > best.state.at):
                 best = Hit(tier, state)
+        if self.disk is not None:
+            found = self.disk.find(prompt, cuts, beyond=best.state.at if best is not None else 0)
+            if found is not None:
+                best = Hit(self.disk, found)
         return best
 
-    def admitted(self, hit: Hit | None, claim: Claim) -> None:
-        """A request was admitted with this hit: restore it into the claim and count hits and misses."""
+    def admitted(self, hit: Hit | None, claim: Claim, owner: str = "") -> int:
+        """A request was admitted with this hit: restore it into the claim and count hits and misses; the rows it
+        resumes at (0 when a disk read failed its check: the request prefills)."""
         for tier in self.tiers:
             if hit is None or tier is not hit.tier:
                 tier.misses += 1
-        if hit is not None:
-            hit.tier.restore(hit.state, claim)
+        if self.disk is not None:
+            self.disk.looked_up(owner)
+        if hit is None:
+            return 0
+        if hit.tier is self.disk:
+            return self.disk.restore(hit.state, claim, owner)
+        hit.tier.restore(hit.state, claim)
+        return hit.state.at
 
     def ready(self) -> None:
         """Wait for the restores' copies once, before the next step."""
@@ -73,7 +105,7 @@ class KeptTiers:
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...], why: frozenset[str]) -> Keep:
         """Keep the slot's state at `len(tokens)` with its reasons, unless a tier holds that exact state already."""
-        for tier in self.tiers:
+        for tier in self.ram:
             found = tier.find_exact(tokens, cuts)
             if found is not None:
                 if not why <= found.why:
@@ -90,11 +122,25 @@ class KeptTiers:
             if held is not None:
                 self._moved_past(held)
                 return Keep(self.host.name)
+        if self.disk is not None and self.disk.keep_from(claim, tokens, cuts, why):
+            return Keep(self.disk.name)
         return Keep(None)
 
     def _moved_past(self, newer: KeptState | HostState) -> None:
-        for tier in self.tiers:
+        for tier in self.ram:
             mark_passed(newer, tier.states)
+
+    def spill(self) -> int:
+        """At shutdown, in the engine thread: stage every state still kept in RAM for the disk, most recently used
+        first, device before host; how many were staged."""
+        if self.disk is None:
+            return 0
+        return self.disk.spill(state for tier in self.ram for state in reversed(tier.states))
+
+    def close(self) -> None:
+        """At shutdown, after the engine thread stopped: flush the disk tier's queue within its bound."""
+        if self.disk is not None:
+            self.disk.close()
 
     def check_integrity(self) -> None:
         """Every tier's own check."""

@@ -12,10 +12,12 @@ CPU. It holds no page of the pool and shares nothing with other states.
 
 Bytes = Σ states (Σ row states entries(at) · entry bytes + fixed bytes). Past the budget states go, moved-past
 ones first, then the least recently used (tiers/policy.py), never the state being resumed; a state larger than
-the budget is refused and counted.
+the budget is refused and counted. States let go move to the disk tier when there is one (tiers/disk.py).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -26,6 +28,9 @@ from tensorfold.layout import DTYPES, RowState
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.tiers.base import Tier
 from tensorfold.tiers.device import KeptState
+
+if TYPE_CHECKING:
+    from tensorfold.tiers.disk import DiskTier
 
 PIECE_BYTES = 2 * 2**20  # the smallest host → device copy: fewer, larger transfers run near the link's speed
 
@@ -76,6 +81,7 @@ class HostTier(Tier[HostState]):
         self.cuda = memory.kv.device.type == "cuda"
         self.pin = self.cuda if pin is None else pin
         self.piece_bytes = piece_bytes
+        self.lower: DiskTier | None = None  # where states let go are written (tiers/chain.py sets it)
         layout = memory.kv.layout
         self._specs: dict[tuple[int, str], RowState] = {
             (i, s.name): s for i, layer in enumerate(layout.layers) for s in layer.rows}
@@ -158,10 +164,13 @@ class HostTier(Tier[HostState]):
     # -- letting states go --------------------------------------------------------------------------------------
 
     def evict_one(self, spare: object | None = None) -> bool:
-        """Drop one state (never `spare`): moved past first, then least recently used. False when none may go."""
+        """Let one state go (never `spare`): moved past first, then least recently used, into the disk tier when
+        there is one, else dropped. False when none may go."""
         key = self._next_out(spare)
         if key is None:
             return False
+        if self.lower is not None:
+            self.lower.take(self._states[key])
         self._drop(key)
         return True
 

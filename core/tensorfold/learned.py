@@ -1,0 +1,157 @@
+"""`tensorfold learned`: what the rows store holds on disk, checked and tidied without a model loaded.
+
+    ls       every identity: its states, bytes, and the model it belongs to
+    show     one identity (a hash prefix): its facts and every state (rows, cuts, blocks, bytes, age, hits)
+    verify   every byte of every file: trailers, hashes, the tokens against the names; nothing is removed
+    gc       under the store's lock: leftover `.part` files, states that fail their header checks, blocks no state
+             lists
+    rm       under the store's lock: one identity (a hash prefix) or one state (a key prefix), with its blocks
+
+ls, show and verify take no lock, so they work beside a running server (a file it is writing may show as a
+`.part`); gc and rm are refused while a server holds the store.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import attrs
+
+from tensorfold.rows.api import Damaged, StateEntry, StoreRefused
+from tensorfold.rows.files import read_file
+from tensorfold.rows.names import Chain, state_key, tokens_from
+from tensorfold.rows.root import (
+    is_identity,
+    leftover_parts,
+    list_identities,
+    release_lock,
+    take_lock,
+)
+from tensorfold.rows.shelf import Shelf
+
+STATE, BLOCK = b"TFST", b"TFBK"
+
+
+@attrs.frozen
+class Identity:
+    """One identity directory as the command shows it."""
+
+    name: str
+    facts: dict
+    states: tuple[StateEntry, ...]
+    nbytes: int                         # bytes of its files on disk (shared blocks once)
+
+
+def identities(root: Path) -> list[Identity]:
+    """Every identity under the root, read without the lock."""
+    return [Identity(name, facts, tuple(states), _bytes(Path(root) / name))
+            for name, facts, states in list_identities(root)]
+
+
+def pick(root: Path, prefix: str) -> Identity:
+    """The one identity whose hash starts with `prefix`; ValueError naming the choices otherwise."""
+    found = [i for i in identities(root) if i.name.startswith(prefix)]
+    if len(found) != 1:
+        names = ", ".join(i.name[:12] for i in identities(root)) or "none"
+        raise ValueError(f"{len(found)} identities under {root} start with {prefix!r} (there are: {names})")
+    return found[0]
+
+
+def describe_model(facts: dict) -> str:
+    """A short line naming what an identity belongs to, from whichever facts it has."""
+    keys = ("family", "model_type", "dtype", "device")
+    return " ".join(f"{k}={facts[k]}" for k in keys if k in facts) or "(no facts)"
+
+
+def age(seconds_then: float, now: float | None = None) -> str:
+    """How long ago, in the largest whole unit."""
+    delta = max(0.0, (now if now is not None else time.time()) - seconds_then)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if delta >= size:
+            return f"{int(delta // size)}{unit}"
+    return f"{int(delta)}s"
+
+
+def verify_identity(folder: Path) -> list[tuple[str, str]]:
+    """(file, problem) for every file of one identity that fails: header and trailer, every byte's hash, the
+    tokens against the state's name and its blocks' names, and blocks no state lists."""
+    shelf = Shelf(folder)
+    problems = shelf.load(None, repair=False)
+    identity = folder.name
+    for entry in shelf.states.values():
+        path = shelf.state_path(entry.key)
+        try:
+            words, body = read_file(path, STATE)
+            chain = Chain(identity, words["block_rows"], tokens_from(body[: 4 * words["at"]]))
+            if state_key(chain.at(words["at"]), entry.cuts) != entry.key:
+                raise Damaged(str(path), path=str(path), problem="its tokens do not hash to its name")
+            if chain.blocks(words["at"]) != entry.blocks:
+                raise Damaged(str(path), path=str(path), problem="its tokens do not hash to its blocks' names")
+        except Damaged as error:
+            problems.append((error.path or str(path), error.problem or str(error)))
+            continue
+        for name in entry.blocks:
+            block = shelf.block_path(name)
+            try:
+                read_file(block, BLOCK)
+            except Damaged as error:
+                problems.append((error.path or str(block), error.problem or str(error)))
+    for path in sorted((folder / "blocks").glob("*.blk")) if (folder / "blocks").is_dir() else ():
+        if path.stem not in shelf.refs:
+            problems.append((str(path), "no state lists this block"))
+    return sorted(set(problems))
+
+
+def verify(root: Path) -> dict[str, list[tuple[str, str]]]:
+    """Every identity's problems, by identity hash."""
+    return {i.name: verify_identity(root / i.name) for i in identities(root)}
+
+
+def gc(root: Path) -> dict[str, int]:
+    """Tidy the store under its lock: `.part` files, states that fail their header checks, orphan blocks.
+    Returns counts and bytes freed."""
+    fd = take_lock(root)
+    try:
+        before = _bytes(root)
+        parts = leftover_parts(root)
+        for path in parts:
+            path.unlink(missing_ok=True)
+        forgotten = 0
+        for folder in sorted(p for p in root.iterdir() if is_identity(p)):
+            forgotten += len(Shelf(folder).load(None, repair=True))
+        return {"parts": len(parts), "states_forgotten": forgotten, "bytes_freed": before - _bytes(root)}
+    finally:
+        release_lock(fd)
+
+
+def rm(root: Path, identity: str, state: str | None = None) -> int:
+    """Remove one identity, or one of its states (a key prefix) with the blocks no other state lists, under the
+    lock; returns the bytes freed."""
+    chosen = pick(root, identity)
+    fd = take_lock(root)
+    try:
+        folder = root / chosen.name
+        before = _bytes(root)
+        if state is None:
+            shutil.rmtree(folder)
+        else:
+            shelf = Shelf(folder)
+            shelf.load(None, repair=False)
+            keys = [k for k in shelf.states if k.startswith(state)]
+            if len(keys) != 1:
+                raise ValueError(f"{len(keys)} states of {chosen.name[:12]} start with {state!r}")
+            shelf.drop(keys[0])
+            shelf.save_usage()
+        return before - _bytes(root)
+    finally:
+        release_lock(fd)
+
+
+def _bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+__all__ = ["Identity", "StoreRefused", "age", "describe_model", "gc", "identities", "pick", "rm", "verify",
+           "verify_identity"]

@@ -1,0 +1,204 @@
+"""The rows store's files: written so a crash never leaves one that reads as valid, read so damage is named.
+
+A data file (`.blk`, `.st`) is a payload then a trailer:
+
+    payload   magic (4) ‖ u32 LE store version ‖ u32 LE W ‖ words (W bytes of JSON, `body` among them) ‖ body
+    trailer   u64 LE payload length ‖ sha256 of the payload (32)
+
+Every file, data or JSON, is written as `<name>.part`, flushed and fsynced, renamed over `<name>`, then its
+directory fsynced (callers writing many files in one directory may fsync it once, before anything refers to them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from tensorfold.rows.api import Damaged
+
+STORE_VERSION = 1
+BLOCK = b"TFBK"
+STATE = b"TFST"
+HEAD = 12                # magic, version, W
+TRAILER = 40             # u64 length, sha256
+CHUNK = 8 << 20          # bytes per read or write call: large sequential I/O
+
+Bytes = bytes | bytearray | memoryview
+
+
+def encode(words: dict[str, Any]) -> bytes:
+    """Words as the canonical JSON every file and size computation uses."""
+    return json.dumps(words, sort_keys=True, separators=(",", ":")).encode()
+
+
+def file_size(words: dict[str, Any]) -> int:
+    """Bytes of a data file whose words are `words` (its body is words["body"] bytes)."""
+    return HEAD + len(encode(words)) + words["body"] + TRAILER
+
+
+def damaged(path: Path, problem: str) -> Damaged:
+    """The error a failed check raises: it names the file and what is wrong."""
+    return Damaged(f"{path}: {problem}", path=str(path), problem=problem)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make renames and removals in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: Bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view[:CHUNK]):]
+
+
+def write_file(path: Path, magic: bytes, words: dict[str, Any], body: Sequence[Bytes], sync_dir: bool = True) -> int:
+    """Write a data file durably (module docstring); returns its size. words["body"] must be the body's length."""
+    text = encode(words)
+    if sum(memoryview(b).nbytes for b in body) != words["body"]:
+        raise ValueError(f"{path.name}: the body is not the {words['body']} bytes its words say")
+    head = magic + struct.pack("<II", STORE_VERSION, len(text)) + text
+    digest = hashlib.sha256(head)
+    for part in body:
+        digest.update(part)
+    trailer = struct.pack("<Q", len(head) + words["body"]) + digest.digest()
+    _durable(path, [head, *body, trailer], sync_dir)
+    return len(head) + words["body"] + TRAILER
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write a small JSON file durably (no trailer: people and `tensorfold learned` read these)."""
+    write_small(path, json.dumps(value, sort_keys=True, indent=1).encode() + b"\n")
+
+
+def write_small(path: Path, data: bytes) -> None:
+    """Write a small plain file durably."""
+    _durable(path, [data], sync_dir=True)
+
+
+def _durable(path: Path, parts: Sequence[Bytes], sync_dir: bool) -> None:
+    part = path.with_name(path.name + ".part")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for data in parts:
+            _write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        part.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(part, path)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+@attrs.frozen
+class Header:
+    """A data file's words, checked against its size and its trailer's length (its hash is not read)."""
+
+    words: dict[str, Any]
+    size: int
+
+
+def _read_exact(handle, count: int) -> bytes:
+    data = handle.read(count)
+    if len(data) != count:
+        raise EOFError
+    return data
+
+
+def _parse_head(path: Path, magic: bytes, handle, size: int) -> tuple[bytes, dict[str, Any]]:
+    try:
+        head = _read_exact(handle, HEAD)
+    except EOFError:
+        raise damaged(path, f"{size} bytes, shorter than a header") from None
+    if head[:4] != magic:
+        raise damaged(path, f"bad magic {head[:4]!r}, expected {magic!r}")
+    version, length = struct.unpack("<II", head[4:])
+    if version != STORE_VERSION:
+        raise damaged(path, f"store version {version}, this tensorfold writes {STORE_VERSION}")
+    if HEAD + length + TRAILER > size:
+        raise damaged(path, f"words of {length} bytes do not fit in {size} bytes")
+    text = _read_exact(handle, length)
+    try:
+        words = json.loads(text)
+    except ValueError as error:
+        raise damaged(path, f"words are not JSON ({error})") from None
+    if not isinstance(words, dict) or not isinstance(words.get("body"), int) or words["body"] < 0:
+        raise damaged(path, "words name no body length")
+    if size != HEAD + length + words["body"] + TRAILER:
+        raise damaged(path, f"{size} bytes, its words say {HEAD + length + words['body'] + TRAILER}")
+    return head + text, words
+
+
+def read_header(path: Path, magic: bytes) -> Header:
+    """The words of a data file, its size checked against them and its trailer's length field."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            _, words = _parse_head(path, magic, handle, size)
+            handle.seek(size - TRAILER)
+            (length,) = struct.unpack("<Q", _read_exact(handle, 8))
+    except OSError as error:
+        raise damaged(path, f"cannot be read ({error.strerror or error})") from None
+    if length != size - TRAILER:
+        raise damaged(path, f"trailer says a payload of {length} bytes, the file holds {size - TRAILER}")
+    return Header(words=words, size=size)
+
+
+def read_prefix(path: Path, magic: bytes, count: int) -> bytes:
+    """The first `count` bytes of a data file's body, its header checked (not its hash)."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            _, words = _parse_head(path, magic, handle, size)
+            if count > words["body"]:
+                raise damaged(path, f"body is {words['body']} bytes, shorter than {count}")
+            return _read_exact(handle, count)
+    except EOFError:
+        raise damaged(path, "ends inside its body") from None
+    except OSError as error:
+        raise damaged(path, f"cannot be read ({error.strerror or error})") from None
+
+
+def read_file(path: Path, magic: bytes, into: memoryview | None = None) -> tuple[dict[str, Any], Bytes]:
+    """A data file's words and body, every byte checked against the trailer. The body is read into `into` when
+    given (it must be exactly the body's length), else into a new buffer."""
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            head, words = _parse_head(path, magic, handle, size)
+            if into is not None and into.nbytes != words["body"]:
+                raise damaged(path, f"body is {words['body']} bytes, the reader expects {into.nbytes}")
+            body = memoryview(bytearray(words["body"])) if into is None else into
+            filled = 0
+            while filled < body.nbytes:
+                got = handle.readinto(body[filled: filled + CHUNK])
+                if not got:
+                    raise damaged(path, f"ends after {HEAD + filled} bytes of body")
+                filled += got
+            trailer = _read_exact(handle, TRAILER)
+    except EOFError:
+        raise damaged(path, "ends inside its trailer") from None
+    except OSError as error:
+        raise damaged(path, f"cannot be read ({error.strerror or error})") from None
+    digest = hashlib.sha256(head)
+    digest.update(body)
+    (length,) = struct.unpack("<Q", trailer[:8])
+    if length != len(head) + body.nbytes:
+        raise damaged(path, f"trailer says a payload of {length} bytes, the file holds {len(head) + body.nbytes}")
+    if digest.digest() != trailer[8:]:
+        raise damaged(path, "sha256 of the payload differs from its trailer")
+    return words, body

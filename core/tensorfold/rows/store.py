@@ -1,0 +1,437 @@
+"""RowsStore: kept states on disk for one identity, under a root every identity shares (layout: rows/__init__.py,
+bytes: docs/formats.md "The rows store on disk").
+
+Threads. The tier's I/O thread writes; any thread may look up and read. Writes are serialised among themselves;
+the index is guarded by one lock held only for bookkeeping and unlinks, never across a file's contents, so a
+lookup never waits for a write's I/O. A state being read is never evicted, and blocks a write in progress relies on
+are never removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+
+from tensorfold.image import StateImage
+from tensorfold.rows.api import Damaged, StateEntry, StoreRefused, StoreStats, identity_hash
+from tensorfold.rows.files import (
+    BLOCK,
+    STATE,
+    damaged,
+    file_size,
+    fsync_dir,
+    read_file,
+    read_prefix,
+    write_file,
+    write_json,
+)
+from tensorfold.rows.names import Chain, state_key, token_bytes, tokens_from
+from tensorfold.rows.payoff import sequential_read_rate
+from tensorfold.rows.root import (
+    IDENTITY,
+    DailyBudget,
+    check_format,
+    is_identity,
+    leftover_parts,
+    list_identities,
+    read_json,
+    release_lock,
+    take_lock,
+)
+from tensorfold.rows.shelf import Shelf, block_words, state_problem, unlink
+
+__all__ = ["RowsStore", "list_identities"]
+
+log = logging.getLogger(__name__)
+
+
+class RowsStore:
+    """Kept states of one identity on disk, within caps shared by every identity under `root`."""
+
+    def __init__(self, root: Path, facts: Mapping[str, str], *, row_offset: Callable[[int], int],
+                 block_rows: int = 256, cap_bytes: int = 32 << 30, daily_bytes: int | None = None,
+                 min_free_bytes: int = 4 << 30, clock: Callable[[], float] = time.time) -> None:
+        if block_rows < 1:
+            raise ValueError(f"block rows must be >= 1, got {block_rows}")
+        self.root = Path(root)
+        self.facts = dict(facts)
+        self.identity = identity_hash(facts)
+        self.directory = self.root / self.identity
+        self.block_rows = block_rows
+        self.cap_bytes = cap_bytes
+        self.daily_bytes = daily_bytes
+        self.min_free_bytes = min_free_bytes
+        self._row_offset = row_offset
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._writing = threading.Lock()
+        self._reading: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()
+        self._said: set[str] = set()
+        self._counts: Counter[str] = Counter()
+        self._lock_fd: int | None = None
+        try:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, exist_ok=True)
+            self._lock_fd = take_lock(self.root)
+            check_format(self.root)
+            self._open()
+        except OSError as error:
+            self.close()
+            raise StoreRefused(f"{self.root}: the rows store cannot be opened: {error}") from error
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ------------------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        for folder in (self.directory, self.directory / "states", self.directory / "blocks"):
+            folder.mkdir(mode=0o700, exist_ok=True)
+        for path in leftover_parts(self.root):
+            path.unlink(missing_ok=True)
+        if read_json(self.directory / IDENTITY) != self.facts:
+            write_json(self.directory / IDENTITY, self.facts)
+        self._own = Shelf(self.directory)
+        for file, problem in self._own.load(self._row_offset, repair=True):
+            self._counts["damaged"] += 1
+            log.warning("rows store: forgot %s at startup: %s", file, problem)
+        self._others = []
+        for folder in sorted(p for p in self.root.iterdir() if is_identity(p) and p.name != self.identity):
+            for sub in ("states", "blocks"):
+                (folder / sub).mkdir(mode=0o700, exist_ok=True)
+            shelf = Shelf(folder)
+            for file, problem in shelf.load(None, repair=True):
+                log.warning("rows store: removed %s of another identity: %s", file, problem)
+            self._others.append(shelf)
+        self._budget = DailyBudget(self.root, self._clock)
+        with self._lock:
+            self._evict(spare="")    # --learn-gib may have been lowered since the last server
+
+    def close(self) -> None:
+        """Save each state's last use and hits, and release the lock (the store is unusable after)."""
+        if self._lock_fd is None:
+            return
+        try:
+            if hasattr(self, "_own"):
+                with self._lock:
+                    self._own.save_usage()
+        except OSError as error:
+            log.warning("rows store: could not save usage in %s: %s", self.directory, error)
+        finally:
+            release_lock(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> RowsStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- finding and reading ------------------------------------------------------------------------------------
+
+    def lookup(self, prompt: Sequence[int], cuts: Sequence[int]) -> StateEntry | None:
+        """The longest state a pass over `prompt` cut at `cuts` may resume from: its tokens prompt[:at], `at` a cut
+        below len(prompt), its cuts the pass's own up to `at` (tiers/policy.py resumable)."""
+        with self._lock:
+            candidates = sorted({c for c in cuts if 0 < c < len(prompt) and c in self._own.ats}, reverse=True)
+        if not candidates:
+            return None
+        chain = Chain(self.identity, self.block_rows, prompt[: candidates[0]])
+        for at in candidates:
+            want = tuple(c for c in cuts if c <= at)
+            hexed = chain.at(at).hex()
+            with self._lock:
+                for key in self._own.by_chain.get(hexed, ()):
+                    entry = self._own.states[key]
+                    if entry.at == at and entry.cuts == want:
+                        return entry
+        return None
+
+    def read(self, entry: StateEntry) -> StateImage:
+        """The state's image, every byte verified; on any failure the state is forgotten, counted, and Damaged
+        raised naming the file and the problem (a state evicted since its lookup raises Damaged uncounted)."""
+        path = self._own.state_path(entry.key)
+        with self._lock:
+            current = self._own.states.get(entry.key)
+            if current is None:
+                raise damaged(path, "no longer kept (removed since it was looked up)")
+            self._reading[entry.key] += 1
+        try:
+            image = self._assemble(current)
+        except Damaged as error:
+            self._forget(current, error)
+            raise
+        finally:
+            with self._lock:
+                self._reading[entry.key] -= 1
+                if not self._reading[entry.key]:
+                    del self._reading[entry.key]
+        now = self._clock()
+        with self._lock:
+            latest = self._own.states.get(entry.key)
+            if latest is not None:
+                self._own.touch(attrs.evolve(latest, used=now, hits=latest.hits + 1))
+            self._counts["reads"] += 1
+            self._counts["read_bytes"] += current.nbytes
+        self._stamp(path, now)
+        return image
+
+    @staticmethod
+    def _stamp(path: Path, used: float) -> None:
+        """A state file's mtime is its last use, so the LRU order outlives a crash before close saves usage."""
+        try:
+            os.utime(path, (used, used))
+        except OSError:
+            pass
+
+    def _assemble(self, entry: StateEntry) -> StateImage:
+        path = self._own.state_path(entry.key)
+        words, body = read_file(path, STATE)
+        problem = state_problem(words, entry.key, self._row_offset)
+        if problem:
+            raise damaged(path, problem)
+        at, block_rows = words["at"], words["block_rows"]
+        if (at, tuple(words["cuts"]), tuple(words["blocks"])) != (entry.at, entry.cuts, entry.blocks):
+            raise damaged(path, "words differ from the index")
+        chain = Chain(self.identity, block_rows, tokens_from(body[: 4 * at]))
+        if chain.at(at).hex() != words["chain"] or state_key(chain.at(at), entry.cuts) != entry.key:
+            raise damaged(path, "its tokens do not hash to its name")
+        if chain.blocks(at) != entry.blocks:
+            raise damaged(path, "its tokens do not hash to its blocks' names")
+        rows = bytearray(words["rows"])
+        view = memoryview(rows)
+        for index, name in enumerate(entry.blocks):
+            want = block_words(index, block_rows, self._row_offset)
+            block = self._own.block_path(name)
+            got, _ = read_file(block, BLOCK, into=view[want["start"]: want["start"] + want["body"]])
+            if got != want:
+                raise damaged(block, f"words {got} are not block {index}'s {want}")
+        own_end = 4 * at + words["own"]
+        view[len(rows) - words["tail"]:] = body[own_end:]
+        return StateImage(format=words["format"], version=words["version"], at=at, digest=words["digest"],
+                          own=bytes(body[4 * at: own_end]), rows=bytes(rows))
+
+    def _forget(self, entry: StateEntry, error: Damaged) -> None:
+        """Forget the state a failed read names, and every state listing the block that failed, if one did."""
+        bad = Path(error.path) if error.path else None
+        block = bad.stem if bad is not None and bad.suffix == ".blk" else None
+        with self._lock:
+            victims = [entry.key]
+            if block is not None:
+                victims += [k for k, e in self._own.states.items() if block in e.blocks and k != entry.key]
+            for key in victims:
+                if key in self._own.states:
+                    self._own.drop(key, keep=self._pending)
+                    self._counts["damaged"] += 1
+            if block is not None:
+                self._own.bytes -= unlink(bad)
+        log.warning("rows store: forgot %d state(s): %s", len(victims), error)
+
+    def tokens(self, entry: StateEntry) -> tuple[int, ...]:
+        """The tokens a state covers, read from its file (for `tensorfold learned show`)."""
+        return tokens_from(read_prefix(self._own.state_path(entry.key), STATE, 4 * entry.at))
+
+    # -- writing ------------------------------------------------------------------------------------------------
+
+    def write(self, tokens: Sequence[int], cuts: Sequence[int], image: StateImage) -> StateEntry | None:
+        """Write a state (synchronously: the tier's I/O thread calls this); None when skipped by a cap or refused
+        by the file system, counted and logged once per reason. An existing state is only marked used."""
+        at = image.at
+        mine = tuple(c for c in cuts if c <= at)
+        if at < 1 or len(tokens) != at:
+            raise ValueError(f"a state at {at} needs {at} >= 1 tokens, got {len(tokens)}")
+        if not mine or mine[-1] != at or list(mine) != sorted(set(mine)):
+            raise ValueError(f"cuts {mine[:8]} must rise to the state's at {at}")
+        if len(image.rows) != self._row_offset(at):
+            raise ValueError(f"image rows part is {len(image.rows)} bytes, {at} rows make {self._row_offset(at)}")
+        with self._writing:
+            chain = Chain(self.identity, self.block_rows, tokens)
+            head = chain.at(at)
+            key = state_key(head, mine)
+            with self._lock:
+                if key in self._own.states:
+                    entry = attrs.evolve(self._own.states[key], used=self._clock())
+                    self._own.touch(entry)
+                    return entry
+            names = chain.blocks(at)
+            with self._lock:
+                self._pending.update(names)
+            try:
+                return self._write(key, head.hex(), tokens, mine, names, image)
+            except OSError as error:
+                self._clean_after(key, names)
+                self._say("failed", f"rows store: cannot write to {self.directory}: {error}; states stay in RAM only")
+                self._counts["write_failed"] += 1
+                return None
+            finally:
+                with self._lock:
+                    for name in names:
+                        self._pending[name] -= 1
+                        if self._pending[name] <= 0:
+                            del self._pending[name]
+
+    def _clean_after(self, key: str, names: tuple[str, ...]) -> None:
+        """Remove what a failed write left that nothing lists (where the file system still allows it)."""
+        with self._lock:
+            paths = [self._own.block_path(n) for n in names if n not in self._own.refs]
+            if key not in self._own.states:
+                paths.append(self._own.state_path(key))
+            for path in paths:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            try:
+                self._own.bytes = self._own.measure()
+            except OSError:
+                pass
+
+    def _write(self, key: str, chain: str, tokens: Sequence[int], cuts: tuple[int, ...], names: tuple[str, ...],
+               image: StateImage) -> StateEntry | None:
+        at, rows = image.at, memoryview(image.rows)
+        tail = len(image.rows) - self._row_offset(len(names) * self.block_rows)
+        words = {"at": at, "block_rows": self.block_rows, "blocks": list(names), "body": 4 * at + len(image.own) + tail,
+                 "chain": chain, "cuts": list(cuts), "digest": image.digest, "format": image.format, "key": key,
+                 "own": len(image.own), "rows": len(image.rows), "tail": tail, "version": image.version,
+                 "written": self._clock()}
+        plan, sizes, new_bytes, replaced = [], {}, file_size(words), 0
+        for index, name in enumerate(names):
+            block = block_words(index, self.block_rows, self._row_offset)
+            sizes[name] = file_size(block)
+            try:
+                have = self._own.block_path(name).stat().st_size
+            except FileNotFoundError:
+                have = None
+            if have != sizes[name]:
+                plan.append((name, block))
+                new_bytes += sizes[name]
+                replaced += have or 0
+        state_bytes = file_size(words) + sum(sizes.values())
+        if self._skipped(state_bytes, new_bytes):
+            return None
+        for name, block in plan:
+            body = rows[block["start"]: block["start"] + block["body"]]
+            write_file(self._own.block_path(name), BLOCK, block, [body], sync_dir=False)
+        if plan:
+            fsync_dir(self.directory / "blocks")
+        write_file(self._own.state_path(key), STATE, words, [token_bytes(tokens), image.own, rows[len(rows) - tail:]])
+        now = self._clock()
+        self._stamp(self._own.state_path(key), now)
+        entry = StateEntry(key=key, at=at, cuts=cuts, blocks=names, nbytes=state_bytes, written=words["written"],
+                           used=now, hits=0)
+        self._spend(new_bytes)
+        with self._lock:      # published and evicted at once: stats() never shows the store over its cap
+            self._own.add(entry, chain)
+            self._own.bytes += new_bytes - replaced
+            self._counts["written"] += 1
+            self._counts["written_bytes"] += new_bytes
+            self._evict(spare=key)
+        return entry
+
+    def _skipped(self, state_bytes: int, new_bytes: int) -> bool:
+        """Whether a write of `new_bytes` new bytes (a state of `state_bytes`) is skipped by a cap; counted."""
+        if state_bytes > self.cap_bytes:
+            return self._skip("skipped_cap", f"a state of {state_bytes} bytes is larger than --learn-gib "
+                              f"({self.cap_bytes} bytes): it stays in RAM only")
+        if self.daily_bytes is not None and self._budget.spent() + new_bytes > self.daily_bytes:
+            return self._skip("skipped_daily", f"--learn-daily-gib ({self.daily_bytes} bytes) is spent for "
+                              f"{self._budget.today()} UTC: states stay in RAM only until tomorrow")
+        free = shutil.disk_usage(self.directory).free
+        if free - new_bytes < self.min_free_bytes:
+            return self._skip("skipped_floor", f"{free} bytes free on {self.directory}; writing {new_bytes} would "
+                              f"leave less than --learn-min-free-gib ({self.min_free_bytes}): states stay in RAM only")
+        return False
+
+    def _skip(self, counter: str, why: str) -> bool:
+        self._counts[counter] += 1
+        self._say(counter, "rows store: " + why)
+        return True
+
+    def _say(self, reason: str, message: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            log.warning(message)
+
+    def _spend(self, nbytes: int) -> None:
+        """Add bytes written today to budget.json (every identity's writes count)."""
+        try:
+            self._budget.spend(nbytes)
+        except OSError as error:
+            log.warning("rows store: could not record the day's writes in %s: %s", self._budget.path, error)
+
+    def _evict(self, spare: str) -> None:
+        """Remove least recently used states of every identity (never `spare` or a state being read), each with
+        the blocks it leaves unlisted, until every identity's bytes fit `cap_bytes`; then unlisted blocks. The
+        caller holds the lock."""
+        shelves = [self._own, *self._others]
+        total = sum(s.bytes for s in shelves)
+        if total <= self.cap_bytes:
+            return
+        order = sorted((e.used, i, n, k) for i, s in enumerate(shelves) for n, (k, e) in enumerate(s.states.items())
+                       if k != spare and k not in self._reading)
+        for _, i, _, key in order:
+            if total <= self.cap_bytes:
+                break
+            total -= shelves[i].drop(key, keep=self._pending)
+            self._counts["evicted"] += 1
+        if total > self.cap_bytes:
+            for shelf in shelves:
+                shelf.orphans(keep=self._pending)
+
+    # -- the rest -------------------------------------------------------------------------------------------------
+
+    def entries(self) -> list[StateEntry]:
+        """This identity's states, least recently used first."""
+        with self._lock:
+            return list(self._own.states.values())
+
+    def remove(self, key: str) -> None:
+        """Remove a state and the blocks no other state lists (a no-op for a state not kept)."""
+        with self._lock:
+            self._own.drop(key, keep=self._pending)
+
+    def count_declined(self) -> None:
+        """Count a read the payoff rule declined (the tier decides; the store keeps the counter)."""
+        with self._lock:
+            self._counts["declined"] += 1
+
+    def verify(self) -> list[tuple[str, str]]:
+        """(file, problem) for every state or block file of this identity that fails its checks, reading every
+        byte; nothing is removed."""
+        found: list[tuple[str, str]] = []
+        for path in sorted((self.directory / "states").glob("*.st")):
+            entry = self._own.states.get(path.stem)
+            if entry is None:
+                found.append((str(path), "not in the index"))
+                continue
+            try:
+                self._assemble(entry)
+            except Damaged as error:
+                found.append((error.path or str(path), error.problem or str(error)))
+        for path in sorted((self.directory / "blocks").glob("*.blk")):
+            if path.stem not in self._own.refs:
+                found.append((str(path), "no state lists this block"))
+        return found
+
+    def stats(self) -> StoreStats:
+        """Counters since startup and bytes now."""
+        c = self._counts
+        return StoreStats(states=len(self._own.states), bytes=self._own.bytes, budget=self.cap_bytes,
+                          written=c["written"], written_bytes=c["written_bytes"], reads=c["reads"],
+                          read_bytes=c["read_bytes"], damaged=c["damaged"], declined=c["declined"],
+                          skipped_daily=c["skipped_daily"], skipped_floor=c["skipped_floor"],
+                          skipped_cap=c["skipped_cap"], evicted=c["evicted"], write_failed=c["write_failed"])
+
+    def read_bandwidth(self, nbytes: int = 64 << 20) -> float:
+        """Bytes/s of a plain sequential read of a scratch file written in the store, the payoff rule's
+        denominator (rows/payoff.py sequential_read_rate); reads also hash, which the rate leaves out."""
+        return sequential_read_rate(self.directory, nbytes)

@@ -1,0 +1,361 @@
+"""The disk tier: kept prompt states in the rows store (`--learn-conversations`), below the host tier, across
+evictions and restarts.
+
+    in      a state the host tier lets go (the device tier's, with the host tier off; or a keep point every faster
+            tier refuses) is staged as host copies and handed to the one I/O thread (rows/writer.py), which makes
+            its image (image.read_out over the copies) and writes it, unless that state is on disk already; the
+            step that let it go never waits on the disk
+    lookup  after the device and host tiers: the store's longest state a pass over the prompt may resume from
+            (its tokens a prefix, its cuts the pass's own), if longer than theirs; it is read only when the payoff
+            rule (rows/payoff.py) says reading its bytes beats prefilling the rows it saves, with the store's read
+            bandwidth and the model's prefill rate measured at startup; a decline is counted and logged
+    out     at admission, before the stream's first step: read (the store verifies lengths, hashes and words), put
+            back into the fresh claim's slot (image.put_back); a read that fails is counted, the store forgets the
+            state, and the request prefills from row 0, so its reply equals a fresh run's
+    close   at shutdown the states still kept on the device and the host are staged too (most recently used
+            first), and the queue is flushed within `flush_s` seconds; what is left is dropped, and the log says
+            how many were written and dropped
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from tensorfold.engine.memory import Claim, StreamMemory
+from tensorfold.image import ImageFormat, put_back, read_out
+from tensorfold.kv import PagedStore
+from tensorfold.layout import Layout
+from tensorfold.pool.pages import PoolCorrupt
+from tensorfold.rows.api import Damaged, StateEntry, StoreStats
+from tensorfold.rows.payoff import should_read
+from tensorfold.rows.writer import Writer
+from tensorfold.tiers.device import KeptState
+from tensorfold.tiers.host import HostState
+from tensorfold.tiers.stats import TierStats
+
+if TYPE_CHECKING:
+    from tensorfold.rows.store import RowsStore
+
+log = logging.getLogger(__name__)
+
+STAGE_BYTES = 2**30   # host memory states may take while they wait for the I/O thread
+FLUSH_S = 10.0        # how long shutdown waits for the queue to be written
+IN_HAND_S = 5.0       # past that, how long it waits for the one state being written
+
+Copies = dict[tuple[int, str], torch.Tensor]
+
+
+@attrs.define(eq=False)
+class DiskState:
+    """A state on disk a request may resume from: the store's index entry and the prompt prefix it covers."""
+
+    tokens: tuple[int, ...]
+    at: int
+    cuts: tuple[int, ...]
+    entry: StateEntry
+    why: frozenset[str] = frozenset()
+    passed: bool = False
+    hits: int = 0
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """A disk state shares no page: a resumer's lease starts empty."""
+        return ()
+
+
+@attrs.frozen
+class Staged:
+    """A state waiting for the I/O thread: host copies of every row state's entries [0, at) and every fixed state."""
+
+    tokens: tuple[int, ...]
+    cuts: tuple[int, ...]
+    why: frozenset[str]
+    rows: Copies = attrs.field(repr=False)
+    fixed: Copies = attrs.field(repr=False)
+
+    @property
+    def at(self) -> int:
+        """Rows the state covers."""
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes its copies hold while it waits."""
+        return sum(t.numel() * t.element_size() for part in (self.rows, self.fixed) for t in part.values())
+
+
+class CopiesView:
+    """The reads image.read_out makes of a KvStore, over one staged state's host copies (its only slot is 0)."""
+
+    def __init__(self, layout: Layout, staged: Staged) -> None:
+        self.layout = layout
+        self.device = torch.device("cpu")
+        self._staged = staged
+
+    def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
+        """Entries [0, end) of a row state."""
+        every = next(s.every for s in self.layout.layers[layer].rows if s.name == name)
+        return self._staged.rows[layer, name][: end // every]
+
+    def fixed(self, layer: int, name: str, slot: int) -> torch.Tensor:
+        """A fixed state."""
+        return self._staged.fixed[layer, name]
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+class DiskTier:
+    """Kept states in one rows store (`store`, a RowsStore) for one StreamMemory."""
+
+    name = "disk"
+
+    def __init__(self, memory: StreamMemory, store: RowsStore, fmt: ImageFormat, read_bytes_per_s: float,
+                 prefill_rows_per_s: float, verify: bool = False, stage_bytes: int = STAGE_BYTES,
+                 flush_s: float = FLUSH_S, margin: float = 1.0) -> None:
+        self.memory = memory
+        self.store = store
+        self.fmt = fmt
+        self.read_bytes_per_s = read_bytes_per_s
+        self.prefill_rows_per_s = prefill_rows_per_s
+        self.verify = verify
+        self.flush_s = flush_s
+        self.margin = margin
+        self.hits = self.misses = self.declined = self.failed_reads = self.cached_tokens = 0
+        self.staged = self.on_disk_already = self.skipped = self.verified = self.mismatches = 0
+        self._declining: tuple[StateEntry, int] | None = None
+        self._deadline: float | None = None
+        self._at_shutdown = (0, 0)
+        self._closed = False
+        self.writer: Writer[Staged] = Writer(self._write, lambda job: job.nbytes, stage_bytes)
+
+    # -- taking states in ---------------------------------------------------------------------------------------
+
+    def take(self, state: KeptState | HostState, spare: object | None = None) -> bool:
+        """Stage a state a faster tier lets go and queue it for the I/O thread; False when the queue is full."""
+        return self._queue(self.stage(state))
+
+    def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
+                  why: frozenset[str] = frozenset()) -> bool:
+        """Stage the state a slot holds at `len(tokens)` (no faster tier took it) and queue it."""
+        kv = self.memory.kv
+        at = len(tokens)
+        rows = {(i, s.name): _host(kv.rows(i, s.name, claim.slot, at))
+                for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
+        fixed = {(i, s.name): _host(kv.fixed(i, s.name, claim.slot))
+                 for i, layer in enumerate(kv.layout.layers) for s in layer.fixed}
+        return self._queue(Staged(tokens=tokens, cuts=cuts, why=frozenset(why), rows=rows, fixed=fixed))
+
+    def stage(self, state: KeptState | HostState) -> Staged:
+        """Host copies of a device state (its shared pages' rows and its copies) or a host state (its copies, not
+        copied again: the host tier never changes them)."""
+        if isinstance(state, HostState):
+            rows = {(i, name): t for i, name, t in state.rows}
+            fixed = {(i, name): t for i, name, t in state.fixed}
+            return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed)
+        kv = self.memory.kv
+        specs = {(i, s.name): s for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
+        rows = {}
+        for i, name, tail in state.tail:
+            parts = []
+            if state.pages and isinstance(kv, PagedStore):
+                index = torch.tensor(state.pages, dtype=torch.long, device=kv.device)
+                parts.append(kv.row_pages(i, name)[index].reshape(-1, *specs[i, name].shape))
+            parts.append(tail)
+            rows[i, name] = _host(torch.cat(parts)) if len(parts) > 1 else _host(tail)
+        fixed = {(i, name): _host(t) for i, name, t in state.fixed}
+        return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed)
+
+    def _queue(self, staged: Staged) -> bool:
+        if self._deadline is not None:
+            queued = self.writer.put_waiting(staged, self._deadline)
+        else:
+            queued = self.writer.put(staged)
+        if queued:
+            self.staged += 1
+        elif self._closed or not self.writer.alive:
+            log.warning("not kept on disk at %s: the disk tier is closed", f"{staged.at:,}")
+        else:
+            log.warning("not kept on disk at %s: %s of states already wait for the disk", f"{staged.at:,}",
+                        _size(self.writer.staged_bytes))
+        return queued
+
+    # -- the I/O thread -----------------------------------------------------------------------------------------
+
+    def _write(self, job: Staged) -> None:
+        began = time.monotonic()
+        image = read_out(CopiesView(self.memory.kv.layout, job), 0, job.at, self.fmt)
+        reasons = ", ".join(sorted(job.why)) or "kept"
+        before = self.store.stats()
+        entry = self.store.write(job.tokens, job.cuts, image)
+        after = self.store.stats()
+        if entry is None:
+            self.skipped += 1
+            log.info("not kept on disk at %s (%s): %s", f"{job.at:,}", reasons, _skip_reason(before, after))
+            return
+        if after.written == before.written:
+            self.on_disk_already += 1
+            log.debug("already kept at %s (%s) on disk", f"{job.at:,}", reasons)
+            return
+        log.info("kept at %s (%s) on disk: %s in %.3f s", f"{job.at:,}", reasons, _size(entry.nbytes),
+                 time.monotonic() - began)
+        if self.verify:
+            self._verify(entry, image.to_bytes())
+
+    def _verify(self, entry: StateEntry, written: bytes) -> None:
+        """TF_IMPRINT_VERIFY: read the state back and compare its bytes with what was written."""
+        try:
+            back = self.store.read(entry).to_bytes()
+        except Damaged as err:
+            back, problem = b"", str(err)
+        else:
+            problem = "" if back == written else f"{len(back)} bytes read back differ from {len(written)} written"
+        self.verified += 1
+        if problem:
+            self.mismatches += 1
+            log.error("TF_IMPRINT_VERIFY: the state at %s read back wrong: %s", f"{entry.at:,}", problem)
+
+    # -- resuming -----------------------------------------------------------------------------------------------
+
+    def find(self, prompt: tuple[int, ...], cuts: tuple[int, ...], beyond: int = 0) -> DiskState | None:
+        """The longest state on disk a pass over `prompt` cut at `cuts` may resume from, if longer than `beyond`
+        (what a faster tier offers) and worth reading; counts nothing (a decline is counted at admission)."""
+        self._declining = None
+        entry = self.store.lookup(prompt, cuts)
+        if entry is None or entry.at <= beyond:
+            return None
+        saved = entry.at - beyond
+        if not should_read(entry.nbytes, saved, self.read_bytes_per_s, self.prefill_rows_per_s, self.margin):
+            self._declining = (entry, saved)
+            return None
+        return DiskState(tokens=tuple(prompt[: entry.at]), at=entry.at, cuts=tuple(entry.cuts), entry=entry)
+
+    def looked_up(self, owner: str) -> None:
+        """A request was admitted after the last `find`: count and log a read the payoff rule declined."""
+        if self._declining is None:
+            return
+        entry, saved = self._declining
+        self._declining = None
+        self.declined += 1
+        self.store.count_declined()
+        log.info("%s: declined the state at %s on disk: reading %s at %s/s costs more than prefilling %s rows at "
+                 "%s rows/s", owner, f"{entry.at:,}", _size(entry.nbytes), _size(self.read_bytes_per_s),
+                 f"{saved:,}", f"{self.prefill_rows_per_s:,.0f}")
+
+    def restore(self, state: DiskState, claim: Claim, owner: str = "") -> int:
+        """Read a state and put it into a fresh claim (no shared pages); the rows resumed, or 0 when the read
+        failed verification (counted; the store has forgotten it; the slot is cleared and the request prefills)."""
+        kv = self.memory.kv
+        if claim.lease is not None and claim.lease.pages:
+            raise ValueError("a disk state is restored into a claim that shares no pages")
+        try:
+            image = self.store.read(state.entry)
+            if image.at != state.at:
+                raise Damaged(f"the state file says at {image.at}, its index entry {state.at}")
+            self.memory.extend(claim, state.at)
+            put_back(kv, claim.slot, image, self.fmt)
+        except (Damaged, ValueError, OSError) as err:
+            self.failed_reads += 1
+            kv.clear(claim.slot)
+            log.warning("%s: the state at %s on disk failed its check (%s); prefilling", owner, f"{state.at:,}", err)
+            return 0
+        state.hits += 1
+        self.hits += 1
+        self.cached_tokens += state.at
+        return state.at
+
+    def ready(self) -> None:
+        """Restores are synchronous: nothing to wait for."""
+
+    # -- shutdown -----------------------------------------------------------------------------------------------
+
+    def spill(self, states: Iterable[KeptState | HostState]) -> int:
+        """Stage states still kept in RAM at shutdown (waiting for room while the deadline allows); how many."""
+        self._shutting_down()
+        return sum(1 for state in states if self._queue(self.stage(state)))
+
+    def close(self) -> None:
+        """Flush the queue within the shutdown deadline, stop the I/O thread once the state in hand is written,
+        release the store, and log how many states were written and dropped since shutdown began."""
+        if self._closed:
+            return
+        self._shutting_down()
+        written, dropped = self._at_shutdown
+        flushed = self.writer.flush(max(0.0, self._deadline - time.monotonic()))
+        self.writer.close(timeout=IN_HAND_S)
+        self._closed = True
+        stats = self.store.stats()
+        self.store.close()
+        log.info("disk tier closed: %d states written at shutdown in %.2f s, %d dropped (flush bound %.0f s); "
+                 "%d on disk", stats.written - written, flushed.seconds, self.writer.dropped - dropped,
+                 self.flush_s, stats.states)
+
+    def _shutting_down(self) -> None:
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.flush_s
+            self._at_shutdown = (self.store.stats().written, self.writer.dropped)
+
+    # -- accounting ---------------------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """The I/O thread runs, the staged bytes add up, and the store is within its cap."""
+        if not self._closed and not self.writer.alive:
+            raise PoolCorrupt("the disk tier's I/O thread has stopped")
+        if self.writer.staged_bytes < 0 or (self.writer.waiting == 0 and self.writer.staged_bytes != 0):
+            raise PoolCorrupt(f"the disk tier counts {self.writer.staged_bytes} staged bytes with "
+                              f"{self.writer.waiting} states waiting")
+        stats = self.store.stats()
+        if stats.bytes > stats.budget:
+            raise PoolCorrupt(f"the disk tier holds {stats.bytes} bytes, over --learn-gib's {stats.budget}")
+
+    def stats(self) -> TierStats:
+        """Counters and use now (read from other threads: numbers may be a step old)."""
+        store = self.store.stats()
+        return TierStats(tier=self.name, states=store.states, bytes=store.bytes, budget=store.budget,
+                         kept=store.written, hits=self.hits, misses=self.misses, evicted=store.evicted,
+                         refused=store.skipped_cap + store.skipped_daily + store.skipped_floor + store.write_failed
+                         + self.writer.dropped,
+                         cached_tokens=self.cached_tokens)
+
+    def describe(self) -> dict[str, object]:
+        """Numbers for /memory."""
+        store = self.store.stats()
+        return {"disk_states": store.states, "disk_bytes": store.bytes, "disk_budget": store.budget,
+                "disk_hits": self.hits, "disk_written": store.written, "disk_written_bytes": store.written_bytes,
+                "disk_read_bytes": store.read_bytes, "disk_damaged": store.damaged,
+                "disk_failed_reads": self.failed_reads, "disk_declined": self.declined,
+                "disk_skipped_daily": store.skipped_daily, "disk_skipped_floor": store.skipped_floor,
+                "disk_skipped_cap": store.skipped_cap, "disk_evicted": store.evicted,
+                "disk_staged": self.staged, "disk_waiting": self.writer.waiting,
+                "disk_waiting_bytes": self.writer.staged_bytes, "disk_dropped": self.writer.dropped,
+                "disk_write_failed": store.write_failed, "disk_write_errors": self.writer.failed,
+                "disk_on_disk_already": self.on_disk_already,
+                "disk_verified": self.verified, "disk_verify_mismatches": self.mismatches,
+                "disk_read_bytes_per_s": round(self.read_bytes_per_s),
+                "disk_prefill_rows_per_s": round(self.prefill_rows_per_s)}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _skip_reason(before: StoreStats, after: StoreStats) -> str:
+    if after.skipped_daily > before.skipped_daily:
+        return "the day's write budget (--learn-daily-gib) is spent"
+    if after.skipped_floor > before.skipped_floor:
+        return "free disk space is below --learn-min-free-gib: writing pauses, serving goes on"
+    if after.skipped_cap > before.skipped_cap:
+        return "the state alone is larger than --learn-gib"
+    if after.write_failed > before.write_failed:
+        return "the file system refused the write"
+    return "the store skipped it"
