@@ -9,10 +9,20 @@ Prints one JSON line per measurement, then one summary line per server and lengt
     python bench/resume.py --url http://127.0.0.1:8080 --lengths 512 2048
     python bench/resume.py --tiny qwen --lengths 512 2048 8192 --repeats 5
 
---serve ARGS / --tiny FAMILY start the servers here, under TF_KV_POISON=1, twice: once with the device tier
-alone (`--host-cache-gib 0`), once with the host tier alone (`--prompt-cache-gib 0`: every state is kept in host
-memory), so both tiers' resumes are measured. --tiny serves the family's random tiny checkpoint with its
-max_position_embeddings raised to the context (the tiny default stops at 4096; random weights do not mind).
+--serve ARGS / --tiny FAMILY start the servers here, under TF_KV_POISON=1, once per tier in --tiers: `device`
+with the device tier alone (`--host-cache-gib 0`), `host` with the host tier alone (`--prompt-cache-gib 0`: every
+state is kept in host memory), so both tiers' resumes are measured; and `disk`, the disk tier after a restart.
+--tiny serves the family's random tiny checkpoint with its max_position_embeddings raised to the context (the tiny
+default stops at 4096; random weights do not mind).
+
+`disk`, per length: a server with `--learn-conversations --learn-dir D` (device and host tiers at their defaults,
+as a user runs it) is sent each repeat's history and stopped with SIGTERM, which writes what RAM kept to D (its
+"disk tier closed" log line is waited for and reported); a new server on D then times each next turn resumed from
+disk (cached_tokens and tier="disk" checked; the page cache of D's files dropped first unless --keep-page-cache),
+its cold variant, and a twin conversation's next turn resumed from the device. The server does not expose how
+long its read took, so the achieved read rate is estimated as the bytes the store read (/memory's
+disk_read_bytes) over (disk TTFT - device TTFT): read, verify and put back together. It is held against a plain
+sequential read of the same state's files, page cache dropped, in the same run (bench/disk_read.py).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -31,12 +42,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+from disk_read import drop_cache, sequential_read, state_files, store_files  # noqa: E402
+
 from gate.scenarios import text  # noqa: E402
 from gate.wire import Server, tier_delta  # noqa: E402
 
 MESSAGE_WORDS = 40
 NEW_WORDS = 24
 CONFIGS = {"device": ["--host-cache-gib", "0"], "host": ["--prompt-cache-gib", "0"]}
+TIERS = (*CONFIGS, "disk")
+CLOSED = re.compile(r"disk tier closed: (\d+) states written at shutdown in ([\d.]+) s, (\d+) dropped")
 
 
 def history(server: Server, tag: str, tokens: int) -> list[dict[str, str]]:
@@ -82,8 +97,7 @@ def measure(server: Server, name: str, lengths: list[int], repeats: int) -> None
         cold, resumed = [], []
         for repeat in range(repeats):
             turn, rendered = next_turn(server, f"{name} {length} {repeat}", length)
-            fresh = [{"role": "system", "content": "Cold. " + turn[0]["content"]}, *turn[1:]]
-            for kind, messages in (("cold", fresh), ("resumed", turn)):
+            for kind, messages in (("cold", cold_variant(turn)), ("resumed", turn)):
                 numbers, tier = timed(server, messages)
                 (cold if kind == "cold" else resumed).append(numbers["ttft_ms"])
                 print(json.dumps({"server": name, "history": length, "history_tokens": rendered, "kind": kind,
@@ -91,6 +105,103 @@ def measure(server: Server, name: str, lengths: list[int], repeats: int) -> None
         print(json.dumps({"server": name, "history": length, "summary": True,
                           "cold_ttft_ms": statistics.median(cold), "resumed_ttft_ms": statistics.median(resumed),
                           "resumed_over_cold": round(statistics.median(resumed) / statistics.median(cold), 4)}),
+              flush=True)
+
+
+def cold_variant(turn: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The same turn with its system message changed at the first word: no kept state is a prefix of it."""
+    return [{"role": "system", "content": "Cold. " + turn[0]["content"]}, *turn[1:]]
+
+
+def shutdown(log: Path) -> dict[str, float]:
+    """The disk tier's closing line in a stopped server's log: states written at shutdown, seconds, dropped."""
+    from tensorfold.testing.process import tail
+
+    found = CLOSED.findall(log.read_text(errors="replace"))
+    if not found:
+        raise RuntimeError(f"{log} has no 'disk tier closed' line: the disk tier was not flushed\n{tail(log)}")
+    written, seconds, dropped = found[-1]
+    return {"written_at_shutdown": int(written), "flush_s": float(seconds), "dropped": int(dropped)}
+
+
+def disk_read_bytes(server: Server) -> int:
+    """Bytes the server's rows store has read since it started (/memory)."""
+    return int(server.memory()["now"]["disk_read_bytes"])
+
+
+def expect(tier: str, want: str, numbers: dict[str, Any], what: str) -> None:
+    """Refuse a measurement served by another tier than the one it stands for."""
+    if tier != want or (want != "none" and not numbers["cached_tokens"]):
+        raise RuntimeError(f"{what}: served by {tier!r} at {numbers['cached_tokens']} cached tokens, "
+                           f"expected {want!r}")
+
+
+def gb_s(nbytes: float, seconds: float) -> float | None:
+    """GB/s, or None when the time is not positive (an estimate within noise)."""
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else None
+
+
+def disk_repeat(server: Server, root: Path, block_rows: int, label: str, turn: list[dict[str, str]],
+                length: int, drop: bool) -> list[dict[str, Any]]:
+    """One repeat after the restart: the next turn resumed from disk, the sequential read of the state it read,
+    its cold variant, and a twin conversation's next turn resumed from the device; their JSON records."""
+    if drop:
+        drop_cache(store_files(root))
+    before = disk_read_bytes(server)
+    disk, tier = timed(server, turn)
+    read = disk_read_bytes(server) - before
+    expect(tier, "disk", disk, f"{label}: the next turn after the restart")
+    files, _ = state_files(root, server.tokenize(turn, generation_prompt=True), disk["cached_tokens"], block_rows)
+    state_bytes, sequential = sequential_read(files)
+    cold, cold_tier = timed(server, cold_variant(turn))
+    expect(cold_tier, "none", cold, f"{label}: the cold turn")
+    twin, twin_tokens = next_turn(server, f"{label} twin", length)
+    device, device_tier = timed(server, twin)
+    expect(device_tier, "device", device, f"{label}: the twin's next turn")
+    extra_s = (disk["ttft_ms"] - device["ttft_ms"]) / 1e3
+    return [{"kind": "cold", "tier": cold_tier, **cold},
+            {"kind": "disk", "tier": tier, **disk, "read_bytes": read, "state_bytes": state_bytes,
+             "read_gb_s_estimate": gb_s(read, extra_s), "seq_read_gb_s": round(sequential / 1e9, 3)},
+            {"kind": "device", "tier": device_tier, "history_tokens": twin_tokens, **device}]
+
+
+def measure_disk(flags: list[str], root: Path, work: Path, lengths: list[int], repeats: int, drop: bool) -> None:
+    """Per length: a server keeps each repeat's history and is stopped (SIGTERM: its disk tier writes what RAM
+    kept); a new server on the same directory times the next turns from disk, cold and from the device."""
+    for length in lengths:
+        before_log = work / f"disk-{length}-before.log"
+        with started(flags, before_log) as server:
+            warm_up = next_turn(server, f"disk warm-up {length}", 256)[0]
+            turns = [next_turn(server, f"disk {length} {repeat}", length) for repeat in range(repeats)]
+        print(json.dumps({"server": "disk", "history": length, "stopped": True, **shutdown(before_log)}), flush=True)
+        after_log = work / f"disk-{length}-after.log"
+        with started(flags, after_log) as server:
+            plan = server.memory()["plan"]
+            timed(server, warm_up)
+            ttft: dict[str, list[float]] = {"cold": [], "disk": [], "device": []}
+            read, sequential = [], []
+            for repeat, (turn, rendered) in enumerate(turns):
+                records = disk_repeat(server, root, plan["learn_block_rows"], f"disk {length} {repeat}", turn,
+                                      length, drop)
+                for record in records:
+                    ttft[record["kind"]].append(record["ttft_ms"])
+                    print(json.dumps({"server": "disk", "history": length, "history_tokens": rendered,
+                                      "repeat": repeat, **record}), flush=True)
+                read.append(records[1]["read_bytes"])
+                sequential.append(records[1]["seq_read_gb_s"])
+        median = {kind: round(statistics.median(values), 3) for kind, values in ttft.items()}
+        achieved = gb_s(statistics.median(read), (median["disk"] - median["device"]) / 1e3)
+        print(json.dumps({
+            "server": "disk", "history": length, "summary": True, "cold_ttft_ms": median["cold"],
+            "disk_ttft_ms": median["disk"], "device_ttft_ms": median["device"],
+            "disk_over_cold": round(median["disk"] / median["cold"], 4),
+            "device_over_cold": round(median["device"] / median["cold"], 4),
+            "read_bytes": statistics.median(read), "read_gb_s_estimate": achieved,
+            "seq_read_gb_s": round(statistics.median(sequential), 3),
+            "read_over_seq": None if achieved is None else round(achieved / statistics.median(sequential), 4),
+            "store_probe_gb_s": round(plan["learn_read_bytes_per_s"] / 1e9, 3),
+            "page_cache": "dropped" if drop else "kept",
+            "read_time": "estimated: disk TTFT - device TTFT (medians); the server does not expose its read time"}),
               flush=True)
 
 
@@ -125,6 +236,10 @@ def main() -> None:
     parser.add_argument("--tiny", metavar="FAMILY", help="serve FAMILY's tiny checkpoint with a long enough context")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 3584], help="history tokens")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per length and kind")
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS),
+                        help="the servers --serve/--tiny start: device, host, disk (after a restart)")
+    parser.add_argument("--keep-page-cache", action="store_true",
+                        help="disk: leave the store's files in the page cache before the timed turn")
     args = parser.parse_args()
     if sum(x is not None for x in (args.url, args.serve, args.tiny)) != 1:
         raise SystemExit("give one of --url, --serve and --tiny")
@@ -138,8 +253,13 @@ def main() -> None:
                                                        str(tiny_checkpoint(args.tiny, context, work / "tiny"))]
     if "--context" not in base:
         base += ["--context", str(context)]
-    for name, flags in CONFIGS.items():
-        with started([*base, *flags], work / f"{name}.log") as server:
+    for name in args.tiers:
+        if name == "disk":
+            root = work / "learned"
+            measure_disk([*base, "--learn-conversations", "--learn-dir", str(root)], root, work, args.lengths,
+                         args.repeats, drop=not args.keep_page_cache)
+            continue
+        with started([*base, *CONFIGS[name]], work / f"{name}.log") as server:
             measure(server, name, args.lengths, args.repeats)
 
 

@@ -5,6 +5,12 @@ For each history length L: cold = the next turn (L history rows + NEW rows) on a
 host = the history sent first on an engine with only that tier (its state kept at L), then the next turn, which
 resumes at L. Also the measured pinned host -> device copy bandwidth, and for the host resume the bytes restored
 over the extra time it took beside the device resume (the tier's achieved GB/s, an estimate).
+disk = the history sent to an engine with only the disk tier (built as `serve --learn-conversations` builds it,
+boot.build_disk, on a temporary --learn-dir), that engine closed (its queue flushed, the store released), then a
+new engine and store on the same directory time the next turn, resumed from disk with the store's files out of
+the page cache. The store's read (read and verify) and the tier's restore (read and put back) are timed in place;
+the state's bytes over the read time are held against a plain sequential read of the same files, page cache
+dropped (bench/disk_read.py).
 One JSON line per measurement.
 
     python bench/resume_engine.py --shape qwen3_5-9b --lengths 2048 8192 32768 --out $OUT
@@ -14,23 +20,35 @@ from __future__ import annotations
 
 import argparse
 import queue
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gpu  # bench/gpu.py: this script runs from bench/ on sys.path
 import torch
+from disk_read import drop_cache, entry_files, sequential_read, store_files
 from gpu import SHAPES, build, sync
 
+from tensorfold.boot import build_disk
+from tensorfold.checkpoint import Checkpoint
 from tensorfold.engine.api import KeepMarks, Request, Sampling, TokenEvent
 from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
+from tensorfold.family import Declarations
 from tensorfold.kv import PagedStore
+from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
+from tensorfold.rows.api import StateEntry
+from tensorfold.settings import Settings
 from tensorfold.tiers import DeviceTier, HostTier
+from tensorfold.tiers.disk import DiskTier
 
 NEW = 64
 PAGE_ROWS = 256
+MIN_CHUNK = 256
 FIRST = Sampling(temperature=0.0, max_tokens=1)
 
 
@@ -38,13 +56,82 @@ def emit(out: Path | None, **record: object) -> None:
     gpu.emit(out, jsonl="resume.jsonl", **record)
 
 
-def engine(model, layout, context: int, chunk: int, device: str, tier: str | None) -> Engine:
+def memory(layout, context: int, device: str) -> StreamMemory:
+    """Two streams' slots and pages for `context` rows each."""
     pages = 2 * -(-context // PAGE_ROWS)
     kv = PagedStore(layout, 2, pages, PAGE_ROWS, device)
-    mem = StreamMemory(kv, SlotPool(2), PagePool(pages, PAGE_ROWS))
+    return StreamMemory(kv, SlotPool(2), PagePool(pages, PAGE_ROWS))
+
+
+def engine(model, layout, context: int, chunk: int, device: str, tier: str | None) -> Engine:
+    mem = memory(layout, context, device)
     host = HostTier(mem, 64 << 30) if tier == "host" else None
     kept = DeviceTier(mem, 64 << 30) if tier == "device" else None
-    return Engine(model, mem, chunk, context, 4, min_chunk=256, tier=kept, host=host)
+    return Engine(model, mem, chunk, context, 4, min_chunk=MIN_CHUNK, tier=kept, host=host)
+
+
+def disk_engine(model, mem: StreamMemory, declarations: Declarations, checkpoint: Checkpoint, root: Path,
+                context: int, chunk: int, device: str) -> tuple[Engine, DiskTier]:
+    """An engine whose only tier is the disk tier on `root`, built by boot.build_disk as the server builds it
+    (probe, identity, store, read bandwidth, prefill rate), so its identity and payoff inputs are the server's."""
+    settings = Settings(learn=True, learn_dir=root, context=context, prefill_chunk=chunk, min_chunk=MIN_CHUNK)
+    disk = build_disk(settings, checkpoint, declarations, model, mem, torch.bfloat16, torch.device(device))
+    return Engine(model, mem, chunk, context, 4, min_chunk=MIN_CHUNK, disk=disk), disk
+
+
+def timing(calls: list[tuple[object, float]], method: Callable) -> Callable:
+    """`method` with each call's first argument and seconds appended to `calls`: the read timed where it runs."""
+    def timed(first: object, *args: object, **kwargs: object) -> object:
+        began = time.perf_counter()
+        result = method(first, *args, **kwargs)
+        sync()
+        calls.append((first, time.perf_counter() - began))
+        return result
+    return timed
+
+
+def disk_resume(model, layout, declarations: Declarations, checkpoint: Checkpoint, root: Path, context: int,
+                chunk: int, device: str, history: list[int], turn: list[int]) -> tuple[float, dict[str, object]]:
+    """Seconds to the next turn's first token resumed from disk after a restart, and the read's numbers."""
+    length = len(history)
+    warm = torch.randint(3, model.vocab_size, (chunk,), generator=torch.Generator().manual_seed(11)).tolist()
+    eng, disk = disk_engine(model, memory(layout, context, device), declarations, checkpoint, root, context, chunk,
+                            device)
+    eng.start()
+    try:
+        first_token(eng, "warm", warm, ())
+        first_token(eng, "history", history, ())
+    finally:
+        eng.close()
+    written, dropped = disk.store.stats().written, disk.writer.dropped
+    eng, disk = disk_engine(model, memory(layout, context, device), declarations, checkpoint, root, context, chunk,
+                            device)
+    reads: list[tuple[StateEntry, float]] = []
+    restores: list[tuple[object, float]] = []
+    disk.store.read = timing(reads, disk.store.read)
+    disk.restore = timing(restores, disk.restore)
+    eng.start()
+    try:
+        first_token(eng, "warm", warm + turn[length:], (len(warm),))
+        disk.writer.settle(60)
+        drop_cache(store_files(root))
+        reads.clear()
+        restores.clear()
+        seconds, cached = first_token(eng, "turn", turn, (length,))
+    finally:
+        eng.close()
+    if cached != length or len(reads) != 1:
+        raise RuntimeError(f"disk: resumed {cached} rows with {len(reads)} reads, expected {length} with one "
+                           f"(states written before the restart: {written}, dropped: {dropped})")
+    entry, read_s = reads[0]
+    nbytes, sequential = sequential_read(entry_files(disk.store.directory, entry))
+    return seconds, {"disk_written": written, "disk_dropped": dropped, "disk_state_bytes": nbytes,
+                     "disk_read_ms": round(read_s * 1e3, 2), "disk_restore_ms": round(restores[0][1] * 1e3, 2),
+                     "disk_read_gb_s": round(nbytes / read_s / 1e9, 3),
+                     "disk_restore_gb_s": round(nbytes / restores[0][1] / 1e9, 3),
+                     "seq_read_gb_s": round(sequential / 1e9, 3),
+                     "read_over_seq": round(nbytes / read_s / sequential, 4),
+                     "store_probe_gb_s": round(disk.read_bytes_per_s / 1e9, 3)}
 
 
 def first_token(eng: Engine, name: str, prompt: list[int], starts: tuple[int, ...]) -> tuple[float, int]:
@@ -87,12 +174,20 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--learn-dir", type=Path, help="the disk tier's directory (default: a temporary one)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     gpu.DEVICE = args.device
     torch.manual_seed(0)
-    hf, ours, layout, _, _ = build(args.shape, torch.bfloat16)
+    hf, ours, layout, _, config = build(args.shape, torch.bfloat16)
     del hf
+    work = Path(tempfile.mkdtemp(prefix="resume-engine-"))
+    (work / "checkpoint").mkdir()
+    (work / "checkpoint" / "config.json").write_text(config.to_json_string())
+    checkpoint = Checkpoint(work / "checkpoint", require_weights=False)   # the identity's config; no weights
+    declarations = load_families([SHAPES[args.shape][0]])[SHAPES[args.shape][0]].declare(config.to_dict(),
+                                                                                          torch.bfloat16)
+    root = args.learn_dir or work / "learned"
     bandwidth = pinned_bandwidth(args.device)
     emit(args.out, bench="pinned_copy", device=args.device,
          gb_s=None if bandwidth is None else round(bandwidth / 1e9, 1))
@@ -119,13 +214,17 @@ def main() -> None:
                     record["host_state_bytes"] = max(state.nbytes for state in eng.tiers[0].states)
             finally:
                 eng.close()
+        times["disk"], read = disk_resume(ours, layout, declarations, checkpoint, root, context, args.chunk,
+                                          args.device, history, turn)
         record |= {f"{k}_ms": round(v * 1e3, 2) for k, v in times.items()}
         record |= {"device_over_cold": round(times["device"] / times["cold"], 4),
-                   "host_over_cold": round(times["host"] / times["cold"], 4)}
+                   "host_over_cold": round(times["host"] / times["cold"], 4),
+                   "disk_over_cold": round(times["disk"] / times["cold"], 4), **read}
         extra = times["host"] - times["device"]
         if record.get("host_state_bytes") and extra > 0:
             record["host_restore_gb_s_estimate"] = round(record["host_state_bytes"] / extra / 1e9, 1)
         emit(args.out, **record)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

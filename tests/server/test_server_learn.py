@@ -5,84 +5,35 @@ fresh server's, and cached_tokens is the row it resumed at (the previous turn's 
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import httpx
 import pytest
+from learn_cases import (
+    ENV,
+    FILLER,
+    FIRST,
+    SECOND,
+    SMALL_TIERS,
+    SYSTEM,
+    ask,
+    check_resumed,
+    fresh_server,
+    learn_args,
+    memory,
+    serve_args,
+    turns,
+    written,
+)
 
 from tensorfold.testing.process import serving, tail
 
-SYSTEM = "You are a helpful assistant who answers in full sentences."
-FIRST = "What is the capital of France, and why?"
-SECOND = "Tell me more about its rivers."
-FILLER = [{"role": "system", "content": "You are a patient tutor. " * 6},
-          {"role": "user", "content": "Tell me everything about rivers. " * 9}]
-GRID = ["--context", "1024", "--page-rows", "16", "--prefill-chunk", "128", "--min-chunk", "16", "--parallel", "2"]
-# device: the conversation's two states (59 rows of pages and copies) fit, the filler's system end (86) beside
-# them does not; host: both conversation states (91 rows) fit, the filler's history end (237) beside either not
-SMALL_TIERS = ["--prompt-cache-gib", "0.000105", "--host-cache-gib", "0.00025"]
-ENV = {"TF_KV_POISON": "1", "TF_IMPRINT_VERIFY": "1", "PYTHONUNBUFFERED": "1"}
 pytestmark = pytest.mark.slow
-
-
-def serve_args(model: Path, *extra: str) -> list[str]:
-    return ["--family", "example", "--model", str(model), *GRID, *extra]
-
-
-def learn_args(root: Path) -> list[str]:
-    return ["--learn-conversations", "--learn-dir", str(root), "--learn-min-free-gib", "0"]
-
-
-def ask(url: str, messages: list[dict]) -> dict:
-    reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                       json={"messages": messages, "max_tokens": 8, "temperature": 0.7, "seed": 3,
-                             "return_token_ids": True})
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def memory(url: str) -> dict:
-    return httpx.get(f"{url}/memory", timeout=10).json()
-
-
-def written(url: str, states: int) -> dict:
-    """/memory once the disk tier's I/O thread is idle with at least `states` states on disk."""
-    deadline = time.monotonic() + 20
-    while True:
-        now = memory(url)["now"]
-        if (now["disk_waiting"] == 0 and now["disk_states"] >= states) or time.monotonic() > deadline:
-            return now
-        time.sleep(0.05)
-
-
-def turns(first: dict) -> tuple[list[dict], list[dict]]:
-    """The conversation's first turn, and its second with the first reply in it."""
-    one = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
-    two = [*one, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-           {"role": "user", "content": SECOND}]
-    return one, two
 
 
 @pytest.fixture(scope="module")
 def fresh(tiny_checkpoint, tokenizer, tmp_path_factory) -> dict:
     """A server that keeps nothing: the conversation's two turns, and where its first turn's history ends."""
-    log = tmp_path_factory.mktemp("fresh") / "server.log"
-    one, _ = turns({"choices": [{"message": {"content": ""}}]})
-    with serving(serve_args(tiny_checkpoint, "--prompt-cache-gib", "0", "--host-cache-gib", "0"), log,
-                 env=ENV) as url:
-        first = ask(url, one)
-        two = turns(first)[1]
-        second = ask(url, two)
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    history = len(tokenizer.encode(tokenizer.render(one, False)))
-    return {"first": first, "second": second, "history": history, "messages": two}
-
-
-def check_resumed(second: dict, fresh: dict) -> None:
-    assert second["choices"][0]["token_ids"] == fresh["second"]["choices"][0]["token_ids"]
-    assert second["usage"]["prompt_tokens"] == fresh["second"]["usage"]["prompt_tokens"]
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == fresh["history"]
+    return fresh_server(tiny_checkpoint, tmp_path_factory.mktemp("fresh") / "server.log", tokenizer,
+                        (SYSTEM, FIRST, SECOND))[0]
 
 
 def test_a_state_written_at_sigterm_is_read_by_a_new_server_process(tiny_checkpoint, tmp_path, fresh):

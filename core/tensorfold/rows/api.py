@@ -42,6 +42,8 @@ class StoreStats:
     skipped_cap: int              # writes skipped: the state alone exceeds --learn-gib
     evicted: int                  # states removed to stay within --learn-gib
     write_failed: int = 0         # writes the file system refused (read-only, full, gone): logged, nothing kept
+    parts_removed: int = 0        # `.part` files removed at startup: writes a crash or a kill cut short
+    orphans_removed: int = 0      # block files no state lists, removed at startup (every identity's)
 
 
 class Damaged(Exception):

@@ -67,6 +67,7 @@ class Shelf:
         self.refs: Counter[str] = Counter()        # block → states listing it
         self.ats: Counter[int] = Counter()         # at → states there, so a lookup hashes only where one may be
         self.bytes = 0
+        self.orphans_removed = 0                   # block files `load` removed because no state lists them
 
     def state_path(self, key: str) -> Path:
         return self.directory / "states" / f"{key}.st"
@@ -97,6 +98,7 @@ class Shelf:
             for path in (self.directory / "blocks").glob("*.blk"):
                 if path.stem not in self.refs:
                     unlink(path)
+                    self.orphans_removed += not path.exists()
         self.bytes = self.measure()
         return problems
 

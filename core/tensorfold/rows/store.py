@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -96,8 +96,13 @@ class RowsStore:
     def _open(self) -> None:
         for folder in (self.directory, self.directory / "states", self.directory / "blocks"):
             folder.mkdir(mode=0o700, exist_ok=True)
-        for path in leftover_parts(self.root):
+        parts = leftover_parts(self.root)
+        for path in parts:
             path.unlink(missing_ok=True)
+        if parts:
+            self._counts["parts_removed"] += len(parts)
+            log.warning("rows store: removed %d leftover .part files at startup (writes a crash or a kill cut "
+                        "short): %s", len(parts), ", ".join(str(p.relative_to(self.root)) for p in parts[:4]))
         if read_json(self.directory / IDENTITY) != self.facts:
             write_json(self.directory / IDENTITY, self.facts)
         self._own = Shelf(self.directory)
@@ -112,9 +117,14 @@ class RowsStore:
             for file, problem in shelf.load(None, repair=True):
                 log.warning("rows store: removed %s of another identity: %s", file, problem)
             self._others.append(shelf)
+        orphans = sum(shelf.orphans_removed for shelf in (self._own, *self._others))
+        if orphans:
+            self._counts["orphans_removed"] += orphans
+            log.warning("rows store: removed %d block files no state lists at startup (left by a write cut short "
+                        "or a state forgotten)", orphans)
         self._budget = DailyBudget(self.root, self._clock)
         with self._lock:
-            self._evict(spare="")    # --learn-gib may have been lowered since the last server
+            self._evict(keep=())     # --learn-gib may have been lowered since the last server
 
     def close(self) -> None:
         """Save each state's last use and hits, and release the lock (the store is unusable after)."""
@@ -156,9 +166,10 @@ class RowsStore:
                         return entry
         return None
 
-    def read(self, entry: StateEntry) -> StateImage:
+    def read(self, entry: StateEntry, use: bool = True) -> StateImage:
         """The state's image, every byte verified; on any failure the state is forgotten, counted, and Damaged
-        raised naming the file and the problem (a state evicted since its lookup raises Damaged uncounted)."""
+        raised naming the file and the problem (a state evicted since its lookup raises Damaged uncounted). A
+        read with `use` off (TF_IMPRINT_VERIFY's read-back) leaves its last use, hits and read counters alone."""
         path = self._own.state_path(entry.key)
         with self._lock:
             current = self._own.states.get(entry.key)
@@ -175,6 +186,8 @@ class RowsStore:
                 self._reading[entry.key] -= 1
                 if not self._reading[entry.key]:
                     del self._reading[entry.key]
+        if not use:
+            return image
         now = self._clock()
         with self._lock:
             latest = self._own.states.get(entry.key)
@@ -242,9 +255,13 @@ class RowsStore:
 
     # -- writing ------------------------------------------------------------------------------------------------
 
-    def write(self, tokens: Sequence[int], cuts: Sequence[int], image: StateImage) -> StateEntry | None:
+    def write(self, tokens: Sequence[int], cuts: Sequence[int], image: StateImage,
+              used: float | None = None) -> StateEntry | None:
         """Write a state (synchronously: the tier's I/O thread calls this); None when skipped by a cap or refused
-        by the file system, counted and logged once per reason. An existing state is only marked used."""
+        by the file system, counted and logged once per reason, or when --learn-gib evicted it at once (it was
+        the least recently used). `used` is when it was last used (now when not given; the tier passes an older
+        time for a state it writes at shutdown, so the cap keeps the states used last, whatever the order they
+        are written in). An existing state is only marked used."""
         at = image.at
         mine = tuple(c for c in cuts if c <= at)
         if at < 1 or len(tokens) != at:
@@ -259,14 +276,15 @@ class RowsStore:
             key = state_key(head, mine)
             with self._lock:
                 if key in self._own.states:
-                    entry = attrs.evolve(self._own.states[key], used=self._clock())
+                    old = self._own.states[key]
+                    entry = attrs.evolve(old, used=max(old.used, self._clock() if used is None else used))
                     self._own.touch(entry)
                     return entry
             names = chain.blocks(at)
             with self._lock:
                 self._pending.update(names)
             try:
-                return self._write(key, head.hex(), tokens, mine, names, image)
+                return self._write(key, head.hex(), tokens, mine, names, image, used)
             except OSError as error:
                 self._clean_after(key, names)
                 self._say("failed", f"rows store: cannot write to {self.directory}: {error}; states stay in RAM only")
@@ -296,7 +314,7 @@ class RowsStore:
                 pass
 
     def _write(self, key: str, chain: str, tokens: Sequence[int], cuts: tuple[int, ...], names: tuple[str, ...],
-               image: StateImage) -> StateEntry | None:
+               image: StateImage, used: float | None) -> StateEntry | None:
         at, rows = image.at, memoryview(image.rows)
         tail = len(image.rows) - self._row_offset(len(names) * self.block_rows)
         words = {"at": at, "block_rows": self.block_rows, "blocks": list(names), "body": 4 * at + len(image.own) + tail,
@@ -324,7 +342,7 @@ class RowsStore:
         if plan:
             fsync_dir(self.directory / "blocks")
         write_file(self._own.state_path(key), STATE, words, [token_bytes(tokens), image.own, rows[len(rows) - tail:]])
-        now = self._clock()
+        now = self._clock() if used is None else min(used, self._clock())
         self._stamp(self._own.state_path(key), now)
         entry = StateEntry(key=key, at=at, cuts=cuts, blocks=names, nbytes=state_bytes, written=words["written"],
                            used=now, hits=0)
@@ -334,7 +352,12 @@ class RowsStore:
             self._own.bytes += new_bytes - replaced
             self._counts["written"] += 1
             self._counts["written_bytes"] += new_bytes
-            self._evict(spare=key)
+            # listed now, its blocks need no pending mark: the state itself may go if it is the least recently used
+            self._evict(keep={n for n in self._pending if n not in names})
+            if key not in self._own.states:
+                self._say("older", "rows store: a state older than every state --learn-gib keeps was evicted as "
+                          "soon as it was written")
+                return None
         return entry
 
     def _skipped(self, state_bytes: int, new_bytes: int) -> bool:
@@ -368,24 +391,24 @@ class RowsStore:
         except OSError as error:
             log.warning("rows store: could not record the day's writes in %s: %s", self._budget.path, error)
 
-    def _evict(self, spare: str) -> None:
-        """Remove least recently used states of every identity (never `spare` or a state being read), each with
-        the blocks it leaves unlisted, until every identity's bytes fit `cap_bytes`; then unlisted blocks. The
-        caller holds the lock."""
+    def _evict(self, keep: Collection[str]) -> None:
+        """Remove least recently used states of every identity (never a state being read), each with the blocks
+        it leaves unlisted (except `keep`: blocks a write in progress relies on), until every identity's bytes fit
+        `cap_bytes`; then unlisted blocks. The caller holds the lock."""
         shelves = [self._own, *self._others]
         total = sum(s.bytes for s in shelves)
         if total <= self.cap_bytes:
             return
         order = sorted((e.used, i, n, k) for i, s in enumerate(shelves) for n, (k, e) in enumerate(s.states.items())
-                       if k != spare and k not in self._reading)
+                       if k not in self._reading)
         for _, i, _, key in order:
             if total <= self.cap_bytes:
                 break
-            total -= shelves[i].drop(key, keep=self._pending)
+            total -= shelves[i].drop(key, keep=keep)
             self._counts["evicted"] += 1
         if total > self.cap_bytes:
             for shelf in shelves:
-                shelf.orphans(keep=self._pending)
+                shelf.orphans(keep=keep)
 
     # -- the rest -------------------------------------------------------------------------------------------------
 
@@ -429,7 +452,8 @@ class RowsStore:
                           written=c["written"], written_bytes=c["written_bytes"], reads=c["reads"],
                           read_bytes=c["read_bytes"], damaged=c["damaged"], declined=c["declined"],
                           skipped_daily=c["skipped_daily"], skipped_floor=c["skipped_floor"],
-                          skipped_cap=c["skipped_cap"], evicted=c["evicted"], write_failed=c["write_failed"])
+                          skipped_cap=c["skipped_cap"], evicted=c["evicted"], write_failed=c["write_failed"],
+                          parts_removed=c["parts_removed"], orphans_removed=c["orphans_removed"])
 
     def read_bandwidth(self, nbytes: int = 64 << 20) -> float:
         """Bytes/s of a plain sequential read of a scratch file written in the store, the payoff rule's

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 STAGE_BYTES = 2**30   # host memory states may take while they wait for the I/O thread
 FLUSH_S = 10.0        # how long shutdown waits for the queue to be written
 IN_HAND_S = 5.0       # past that, how long it waits for the one state being written
+SPILL_STEP_S = 1e-6   # at shutdown, each state is stamped this much less recently used than the one before it
 
 Copies = dict[tuple[int, str], torch.Tensor]
 
@@ -78,6 +79,7 @@ class Staged:
     why: frozenset[str]
     rows: Copies = attrs.field(repr=False)
     fixed: Copies = attrs.field(repr=False)
+    used: float | None = None       # unix time it was last used, for the store's LRU order; None: when written
 
     @property
     def at(self) -> int:
@@ -153,13 +155,13 @@ class DiskTier:
                  for i, layer in enumerate(kv.layout.layers) for s in layer.fixed}
         return self._queue(Staged(tokens=tokens, cuts=cuts, why=frozenset(why), rows=rows, fixed=fixed))
 
-    def stage(self, state: KeptState | HostState) -> Staged:
+    def stage(self, state: KeptState | HostState, used: float | None = None) -> Staged:
         """Host copies of a device state (its shared pages' rows and its copies) or a host state (its copies, not
-        copied again: the host tier never changes them)."""
+        copied again: the host tier never changes them); `used` its last use, when not now."""
         if isinstance(state, HostState):
             rows = {(i, name): t for i, name, t in state.rows}
             fixed = {(i, name): t for i, name, t in state.fixed}
-            return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed)
+            return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed, used=used)
         kv = self.memory.kv
         specs = {(i, s.name): s for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
         rows = {}
@@ -171,7 +173,7 @@ class DiskTier:
             parts.append(tail)
             rows[i, name] = _host(torch.cat(parts)) if len(parts) > 1 else _host(tail)
         fixed = {(i, name): _host(t) for i, name, t in state.fixed}
-        return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed)
+        return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed, used=used)
 
     def _queue(self, staged: Staged) -> bool:
         if self._deadline is not None:
@@ -194,7 +196,7 @@ class DiskTier:
         image = read_out(CopiesView(self.memory.kv.layout, job), 0, job.at, self.fmt)
         reasons = ", ".join(sorted(job.why)) or "kept"
         before = self.store.stats()
-        entry = self.store.write(job.tokens, job.cuts, image)
+        entry = self.store.write(job.tokens, job.cuts, image, used=job.used)
         after = self.store.stats()
         if entry is None:
             self.skipped += 1
@@ -212,7 +214,7 @@ class DiskTier:
     def _verify(self, entry: StateEntry, written: bytes) -> None:
         """TF_IMPRINT_VERIFY: read the state back and compare its bytes with what was written."""
         try:
-            back = self.store.read(entry).to_bytes()
+            back = self.store.read(entry, use=False).to_bytes()
         except Damaged as err:
             back, problem = b"", str(err)
         else:
@@ -277,9 +279,13 @@ class DiskTier:
     # -- shutdown -----------------------------------------------------------------------------------------------
 
     def spill(self, states: Iterable[KeptState | HostState]) -> int:
-        """Stage states still kept in RAM at shutdown (waiting for room while the deadline allows); how many."""
+        """Stage states still kept in RAM at shutdown, most recently used first (waiting for room while the
+        deadline allows); how many. Each is stamped a little less recently used than the one before it, so that
+        --learn-gib keeps the states used last, not the ones written last."""
         self._shutting_down()
-        return sum(1 for state in states if self._queue(self.stage(state)))
+        began = time.time()
+        return sum(1 for rank, state in enumerate(states)
+                   if self._queue(self.stage(state, used=began - rank * SPILL_STEP_S)))
 
     def close(self) -> None:
         """Flush the queue within the shutdown deadline, stop the I/O thread once the state in hand is written,
@@ -336,6 +342,7 @@ class DiskTier:
                 "disk_staged": self.staged, "disk_waiting": self.writer.waiting,
                 "disk_waiting_bytes": self.writer.staged_bytes, "disk_dropped": self.writer.dropped,
                 "disk_write_failed": store.write_failed, "disk_write_errors": self.writer.failed,
+                "disk_parts_removed": store.parts_removed, "disk_orphans_removed": store.orphans_removed,
                 "disk_on_disk_already": self.on_disk_already,
                 "disk_verified": self.verified, "disk_verify_mismatches": self.mismatches,
                 "disk_read_bytes_per_s": round(self.read_bytes_per_s),
@@ -358,4 +365,6 @@ def _skip_reason(before: StoreStats, after: StoreStats) -> str:
         return "the state alone is larger than --learn-gib"
     if after.write_failed > before.write_failed:
         return "the file system refused the write"
+    if after.evicted > before.evicted:
+        return "--learn-gib evicted it as soon as it was written: every state it keeps was used more recently"
     return "the store skipped it"

@@ -66,10 +66,12 @@ def open_store(root: Path, facts: dict[str, str] | None = None, **options) -> Ro
     return RowsStore(root, FACTS if facts is None else facts, row_offset=OFFSET, **options)
 
 
-def write(store: RowsStore, prompt: Sequence[int], at: int, cuts: Sequence[int] | None = None):
-    """Write the state at `at` over `prompt` (cut on the block grid and at `at` unless `cuts` is given)."""
+def write(store: RowsStore, prompt: Sequence[int], at: int, cuts: Sequence[int] | None = None,
+          used: float | None = None):
+    """Write the state at `at` over `prompt` (cut on the block grid and at `at` unless `cuts` is given; last used
+    at `used`, else now)."""
     cuts = tuple(range(BLOCK, at, BLOCK)) + (at,) if cuts is None else tuple(cuts)
-    return store.write(prompt[:at], cuts, image(prompt, at))
+    return store.write(prompt[:at], cuts, image(prompt, at), used=used)
 
 
 def files(root: Path, suffix: str) -> list[Path]:

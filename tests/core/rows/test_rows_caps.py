@@ -37,6 +37,29 @@ def test_the_cap_holds_least_recently_used_first(tmp_path):
         assert store.read(first) == image(tokens(1, 40), 20)
 
 
+def test_the_cap_goes_by_last_use_not_by_write_order(tmp_path):
+    """States written at shutdown come most recently used first, each stamped older than the one before: the cap
+    keeps those used last, a state older than every kept one goes as soon as it is written (with its blocks), a
+    read-back check is no use, and a state written now is newer than all of them."""
+    size = size_of(tmp_path / "scratch", tokens(1, 40), 20)
+    clock = Clock()
+    root = tmp_path / "store"
+    with open_store(root, cap_bytes=size * 5 // 2, clock=clock) as store:
+        then = clock.start - 100
+        first = write(store, tokens(1, 40), 20, used=then)
+        second = write(store, tokens(2, 40), 20, used=then - 1)
+        assert write(store, tokens(3, 40), 20, used=then - 2) is None
+        assert [e.key for e in store.entries()] == [first.key, second.key]
+        assert store.stats().evicted == 1 and store.stats().written == 3
+        assert store.stats().bytes == disk_bytes(root) <= size * 5 // 2 and len(files(root, ".blk")) == 4
+        assert store.read(second, use=False) == image(tokens(2, 40), 20)    # a check, not a use
+        assert store.stats().reads == 0 and store.entries()[-1].hits == 0
+        newest = write(store, tokens(4, 40), 20)
+        assert {e.key for e in store.entries()} == {first.key, newest.key} and newest.used > first.used
+    with open_store(root, cap_bytes=size * 5 // 2) as store:
+        assert {e.key for e in store.entries()} == {first.key, newest.key}
+
+
 def test_an_evicted_state_takes_only_the_blocks_no_other_state_lists(tmp_path):
     a, c = tokens(1, 40), tokens(1, 16) + tokens(5, 24)
 

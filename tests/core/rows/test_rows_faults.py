@@ -112,6 +112,7 @@ def test_leftover_parts_and_orphan_blocks_are_removed_at_startup(tmp_path):
         assert (str(orphan), "no state lists this block") in store.verify()
     with open_store(tmp_path) as store:
         assert not orphan.exists() and not any(p.exists() for p in parts)
+        assert store.stats().parts_removed == 3 and store.stats().orphans_removed == 1
         assert store.stats().damaged == 0 and len(store.entries()) == 2
         assert store.read(a) == image(A, 20)
 

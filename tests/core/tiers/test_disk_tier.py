@@ -178,6 +178,8 @@ def test_shutdown_writes_the_states_ram_still_keeps_and_a_new_store_finds_them(t
     disk = tiers.disk
     assert disk.store.stats().written == 2 and disk.verified == 2 and disk.mismatches == 0
     assert "disk tier closed: 2 states written at shutdown" in caplog.text
+    used = {e.at: e.used for e in disk.store.entries()}
+    assert used[24] > used[16]   # the device's state, used last, is written first and still the newer for the cap
     memory.release(a)
     memory.release(b)
     reopened = KeptTiers(None, None, disk_tier(memory, tmp_path))
