@@ -4,7 +4,8 @@ probe, a fixed prompt's state hashed at startup, so that only a server computing
     checkpoint   sha256 of config.json; every weight shard's name, size and mtime_ns (a stamp, not a content hash)
     family       the family's identity hook facts (cache format, dtypes, schedule)
     layout       the Layout digest, the image format and the dtype
-    software     torch, triton (or none) and tensorfold versions; the device's name ("cpu" on the CPU); TP world
+    software     torch, triton, fla-core (each or none) and tensorfold versions; the device's name ("cpu" on the
+                 CPU); TP world
     probe        sha256 of the images of a fixed prompt's state after its first and second chunk
 
 Beside it, in the same free slot before the engine starts, the prefill rate the payoff rule weighs a read against
@@ -60,8 +61,8 @@ def _version(package: str) -> str:
 def software_facts(device: torch.device) -> dict[str, str]:
     """What computes the bits: library versions, the device, the tensor-parallel world."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"torch": torch.__version__, "triton": _version("triton"), "tensorfold": tensorfold.__version__,
-            "device": name, "tp_world": str(TP_WORLD)}
+    return {"torch": torch.__version__, "triton": _version("triton"), "fla-core": _version("fla-core"),
+            "tensorfold": tensorfold.__version__, "device": name, "tp_world": str(TP_WORLD)}
 
 
 @contextmanager
