@@ -22,13 +22,13 @@ import attrs
 
 from tensorfold.image import StateImage
 from tensorfold.rows.api import Damaged, StateEntry, StoreRefused, StoreStats, identity_hash
+from tensorfold.rows.assemble import assemble
 from tensorfold.rows.files import (
     BLOCK,
     STATE,
     damaged,
     file_size,
     fsync_dir,
-    read_file,
     read_prefix,
     write_file,
     write_json,
@@ -46,7 +46,7 @@ from tensorfold.rows.root import (
     release_lock,
     take_lock,
 )
-from tensorfold.rows.shelf import Shelf, block_words, state_problem, unlink
+from tensorfold.rows.shelf import Shelf, block_words, unlink
 
 __all__ = ["RowsStore", "list_identities"]
 
@@ -177,7 +177,7 @@ class RowsStore:
                 raise damaged(path, "no longer kept (removed since it was looked up)")
             self._reading[entry.key] += 1
         try:
-            image = self._assemble(current)
+            image = assemble(self._own, self.identity, current, self._row_offset)
         except Damaged as error:
             self._forget(current, error)
             raise
@@ -205,33 +205,6 @@ class RowsStore:
             os.utime(path, (used, used))
         except OSError:
             pass
-
-    def _assemble(self, entry: StateEntry) -> StateImage:
-        path = self._own.state_path(entry.key)
-        words, body = read_file(path, STATE)
-        problem = state_problem(words, entry.key, self._row_offset)
-        if problem:
-            raise damaged(path, problem)
-        at, block_rows = words["at"], words["block_rows"]
-        if (at, tuple(words["cuts"]), tuple(words["blocks"])) != (entry.at, entry.cuts, entry.blocks):
-            raise damaged(path, "words differ from the index")
-        chain = Chain(self.identity, block_rows, tokens_from(body[: 4 * at]))
-        if chain.at(at).hex() != words["chain"] or state_key(chain.at(at), entry.cuts) != entry.key:
-            raise damaged(path, "its tokens do not hash to its name")
-        if chain.blocks(at) != entry.blocks:
-            raise damaged(path, "its tokens do not hash to its blocks' names")
-        rows = bytearray(words["rows"])
-        view = memoryview(rows)
-        for index, name in enumerate(entry.blocks):
-            want = block_words(index, block_rows, self._row_offset)
-            block = self._own.block_path(name)
-            got, _ = read_file(block, BLOCK, into=view[want["start"]: want["start"] + want["body"]])
-            if got != want:
-                raise damaged(block, f"words {got} are not block {index}'s {want}")
-        own_end = 4 * at + words["own"]
-        view[len(rows) - words["tail"]:] = body[own_end:]
-        return StateImage(format=words["format"], version=words["version"], at=at, digest=words["digest"],
-                          own=bytes(body[4 * at: own_end]), rows=bytes(rows))
 
     def _forget(self, entry: StateEntry, error: Damaged) -> None:
         """Forget the state a failed read names, and every state listing the block that failed, if one did."""
@@ -437,7 +410,7 @@ class RowsStore:
                 found.append((str(path), "not in the index"))
                 continue
             try:
-                self._assemble(entry)
+                assemble(self._own, self.identity, entry, self._row_offset)
             except Damaged as error:
                 found.append((error.path or str(path), error.problem or str(error)))
         for path in sorted((self.directory / "blocks").glob("*.blk")):

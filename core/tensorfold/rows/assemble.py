@@ -1,0 +1,41 @@
+"""One state's image put together from its state file and its blocks, every byte verified on the way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tensorfold.image import StateImage
+from tensorfold.rows.api import StateEntry
+from tensorfold.rows.files import BLOCK, STATE, damaged, read_file
+from tensorfold.rows.names import Chain, state_key, tokens_from
+from tensorfold.rows.shelf import Shelf, block_words, state_problem
+
+
+def assemble(shelf: Shelf, identity: str, entry: StateEntry, row_offset: Callable[[int], int]) -> StateImage:
+    """The image of `entry`: trailers and hashes of every file, its words against the index, its tokens against
+    its name and its blocks' names; raises Damaged naming the file that fails."""
+    path = shelf.state_path(entry.key)
+    words, body = read_file(path, STATE)
+    problem = state_problem(words, entry.key, row_offset)
+    if problem:
+        raise damaged(path, problem)
+    at, block_rows = words["at"], words["block_rows"]
+    if (at, tuple(words["cuts"]), tuple(words["blocks"])) != (entry.at, entry.cuts, entry.blocks):
+        raise damaged(path, "words differ from the index")
+    chain = Chain(identity, block_rows, tokens_from(body[: 4 * at]))
+    if chain.at(at).hex() != words["chain"] or state_key(chain.at(at), entry.cuts) != entry.key:
+        raise damaged(path, "its tokens do not hash to its name")
+    if chain.blocks(at) != entry.blocks:
+        raise damaged(path, "its tokens do not hash to its blocks' names")
+    rows = bytearray(words["rows"])
+    view = memoryview(rows)
+    for index, name in enumerate(entry.blocks):
+        want = block_words(index, block_rows, row_offset)
+        block = shelf.block_path(name)
+        got, _ = read_file(block, BLOCK, into=view[want["start"]: want["start"] + want["body"]])
+        if got != want:
+            raise damaged(block, f"words {got} are not block {index}'s {want}")
+    own_end = 4 * at + words["own"]
+    view[len(rows) - words["tail"]:] = body[own_end:]
+    return StateImage(format=words["format"], version=words["version"], at=at, digest=words["digest"],
+                      own=bytes(body[4 * at: own_end]), rows=bytes(rows))
