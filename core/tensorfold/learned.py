@@ -20,8 +20,8 @@ from pathlib import Path
 import attrs
 
 from tensorfold.rows.api import Damaged, StateEntry, StoreRefused
-from tensorfold.rows.files import read_file
-from tensorfold.rows.names import Chain, state_key, tokens_from
+from tensorfold.rows.assemble import check_names
+from tensorfold.rows.files import BLOCK, STATE, read_file
 from tensorfold.rows.root import (
     is_identity,
     leftover_parts,
@@ -30,8 +30,6 @@ from tensorfold.rows.root import (
     take_lock,
 )
 from tensorfold.rows.shelf import Shelf
-
-STATE, BLOCK = b"TFST", b"TFBK"
 
 
 @attrs.frozen
@@ -84,11 +82,7 @@ def verify_identity(folder: Path) -> list[tuple[str, str]]:
         path = shelf.state_path(entry.key)
         try:
             words, body = read_file(path, STATE)
-            chain = Chain(identity, words["block_rows"], tokens_from(body[: 4 * words["at"]]))
-            if state_key(chain.at(words["at"]), entry.cuts) != entry.key:
-                raise Damaged(str(path), path=str(path), problem="its tokens do not hash to its name")
-            if chain.blocks(words["at"]) != entry.blocks:
-                raise Damaged(str(path), path=str(path), problem="its tokens do not hash to its blocks' names")
+            check_names(path, identity, words, body, entry)
         except Damaged as error:
             problems.append((error.path or str(path), error.problem or str(error)))
             continue

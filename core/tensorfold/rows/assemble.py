@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from tensorfold.image import StateImage
 from tensorfold.rows.api import StateEntry
-from tensorfold.rows.files import BLOCK, STATE, damaged, read_file
+from tensorfold.rows.files import BLOCK, STATE, Bytes, damaged, read_file
 from tensorfold.rows.names import Chain, state_key, tokens_from
 from tensorfold.rows.shelf import Shelf, block_words, state_problem
 
@@ -22,11 +24,7 @@ def assemble(shelf: Shelf, identity: str, entry: StateEntry, row_offset: Callabl
     at, block_rows = words["at"], words["block_rows"]
     if (at, tuple(words["cuts"]), tuple(words["blocks"])) != (entry.at, entry.cuts, entry.blocks):
         raise damaged(path, "words differ from the index")
-    chain = Chain(identity, block_rows, tokens_from(body[: 4 * at]))
-    if chain.at(at).hex() != words["chain"] or state_key(chain.at(at), entry.cuts) != entry.key:
-        raise damaged(path, "its tokens do not hash to its name")
-    if chain.blocks(at) != entry.blocks:
-        raise damaged(path, "its tokens do not hash to its blocks' names")
+    check_names(path, identity, words, body, entry)
     rows = bytearray(words["rows"])
     view = memoryview(rows)
     for index, name in enumerate(entry.blocks):
@@ -39,3 +37,13 @@ def assemble(shelf: Shelf, identity: str, entry: StateEntry, row_offset: Callabl
     view[len(rows) - words["tail"]:] = body[own_end:]
     return StateImage(format=words["format"], version=words["version"], at=at, digest=words["digest"],
                       own=bytes(body[4 * at: own_end]), rows=bytes(rows))
+
+
+def check_names(path: Path, identity: str, words: dict[str, Any], body: Bytes, entry: StateEntry) -> None:
+    """A state file's tokens hash to its own name, chain and blocks' names; raises Damaged naming the file."""
+    at = words["at"]
+    chain = Chain(identity, words["block_rows"], tokens_from(body[: 4 * at]))
+    if chain.at(at).hex() != words["chain"] or state_key(chain.at(at), entry.cuts) != entry.key:
+        raise damaged(path, "its tokens do not hash to its name")
+    if chain.blocks(at) != entry.blocks:
+        raise damaged(path, "its tokens do not hash to its blocks' names")
