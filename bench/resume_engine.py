@@ -8,9 +8,11 @@ over the extra time it took beside the device resume (the tier's achieved GB/s, 
 disk = the history sent to an engine with only the disk tier (built as `serve --learn-conversations` builds it,
 boot.build_disk, on a temporary --learn-dir), that engine closed (its queue flushed, the store released), then a
 new engine and store on the same directory time the next turn, resumed from disk with the store's files out of
-the page cache. The store's read (read and verify) and the tier's restore (read and put back) are timed in place;
+the page cache. The store's read (read and verify) and the tier's restore (that read, then put back) are timed in
+place;
 the state's bytes over the read time are held against a plain sequential read of the same files, page cache
-dropped (bench/disk_read.py).
+dropped (bench/disk_read.py). The timed turn reads whatever the payoff rule says; the rule's verdict, with the
+read and prefill times it predicts from the startup probes, is reported beside the measured ones.
 One JSON line per measurement.
 
     python bench/resume_engine.py --shape qwen3_5-9b --lengths 2048 8192 32768 --out $OUT
@@ -42,6 +44,7 @@ from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 from tensorfold.rows.api import StateEntry
+from tensorfold.rows.payoff import should_read
 from tensorfold.settings import Settings
 from tensorfold.tiers import DeviceTier, HostTier
 from tensorfold.tiers.disk import DiskTier
@@ -107,16 +110,18 @@ def disk_resume(model, layout, declarations: Declarations, checkpoint: Checkpoin
     eng, disk = disk_engine(model, memory(layout, context, device), declarations, checkpoint, root, context, chunk,
                             device)
     reads: list[tuple[StateEntry, float]] = []
-    restores: list[tuple[object, float]] = []
+    puts: list[tuple[object, float]] = []
     disk.store.read = timing(reads, disk.store.read)
-    disk.restore = timing(restores, disk.restore)
+    disk.put = timing(puts, disk.put)
     eng.start()
     try:
         first_token(eng, "warm", warm + turn[length:], (len(warm),))
         disk.writer.settle(60)
         drop_cache(store_files(root))
         reads.clear()
-        restores.clear()
+        puts.clear()
+        probed = disk.read_bytes_per_s
+        disk.read_bytes_per_s = float("inf")     # read whatever the payoff rule says; its verdict is reported
         seconds, cached = first_token(eng, "turn", turn, (length,))
     finally:
         eng.close()
@@ -124,14 +129,20 @@ def disk_resume(model, layout, declarations: Declarations, checkpoint: Checkpoin
         raise RuntimeError(f"disk: resumed {cached} rows with {len(reads)} reads, expected {length} with one "
                            f"(states written before the restart: {written}, dropped: {dropped})")
     entry, read_s = reads[0]
+    restore_s = read_s + puts[0][1]
+    verdict = should_read(entry.nbytes, length, probed, disk.prefill_rows_per_s, disk.margin)
     nbytes, sequential = sequential_read(entry_files(disk.store.directory, entry))
     return seconds, {"disk_written": written, "disk_dropped": dropped, "disk_state_bytes": nbytes,
-                     "disk_read_ms": round(read_s * 1e3, 2), "disk_restore_ms": round(restores[0][1] * 1e3, 2),
+                     "disk_read_ms": round(read_s * 1e3, 2), "disk_restore_ms": round(restore_s * 1e3, 2),
                      "disk_read_gb_s": round(nbytes / read_s / 1e9, 3),
-                     "disk_restore_gb_s": round(nbytes / restores[0][1] / 1e9, 3),
+                     "disk_restore_gb_s": round(nbytes / restore_s / 1e9, 3),
                      "seq_read_gb_s": round(sequential / 1e9, 3),
                      "read_over_seq": round(nbytes / read_s / sequential, 4),
-                     "store_probe_gb_s": round(disk.read_bytes_per_s / 1e9, 3)}
+                     "store_probe_gb_s": round(probed / 1e9, 3),
+                     "probe_prefill_rows_s": round(disk.prefill_rows_per_s),
+                     "payoff_predicts_read_ms": round(entry.nbytes / probed * 1e3, 1),
+                     "payoff_predicts_prefill_ms": round(length / disk.prefill_rows_per_s * 1e3, 1),
+                     "payoff_would_read": verdict}
 
 
 def first_token(eng: Engine, name: str, prompt: list[int], starts: tuple[int, ...]) -> tuple[float, int]:

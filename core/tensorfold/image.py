@@ -75,7 +75,7 @@ class StateImage:
     at: int
     digest: str
     own: bytes
-    rows: bytes
+    rows: bytes | bytearray       # a bytearray when read from disk: put back without another copy
 
     def to_bytes(self) -> bytes:
         """The image as one byte string: magic, container version, words (JSON), own, rows."""
@@ -107,6 +107,9 @@ def _as_bytes(tensor: torch.Tensor) -> bytes:
 def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return raw.view(like.dtype).reshape(like.shape).to(like.device)
+
+
+PUT_PIECE_BYTES = 64 << 20    # rows of an image moved to the device at a time: bounds the extra device memory
 
 
 def row_offset(layout: Layout, fmt: ImageFormat, position: int) -> int:
@@ -179,12 +182,16 @@ def _put_plain_rows(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat,
         raise ValueError(f"image rows part is {len(image.rows)} bytes, {image.at} rows need {record * image.at}")
     if not image.at or not specs:
         return
-    table = torch.frombuffer(bytearray(image.rows), dtype=torch.uint8).reshape(image.at, record)
-    offset = 0
-    for (i, name), spec in zip(fmt.rows, specs, strict=True):
-        piece = table[:, offset: offset + spec.entry_bytes].contiguous().view(DTYPES[spec.dtype])
-        kv.write_rows(i, name, slot, 0, piece.reshape(image.at, *spec.shape).to(kv.device))
-        offset += spec.entry_bytes
+    rows = image.rows if isinstance(image.rows, bytearray) else bytearray(image.rows)
+    table = torch.frombuffer(rows, dtype=torch.uint8).reshape(image.at, record)
+    step = max(1, PUT_PIECE_BYTES // record)
+    for first in range(0, image.at, step):
+        piece = table[first: first + step].to(kv.device)        # one copy per piece; the columns split there
+        offset = 0
+        for (i, name), spec in zip(fmt.rows, specs, strict=True):
+            values = piece[:, offset: offset + spec.entry_bytes].contiguous().view(DTYPES[spec.dtype])
+            kv.write_rows(i, name, slot, first, values.reshape(piece.shape[0], *spec.shape))
+            offset += spec.entry_bytes
 
 
 def _every(layout: Layout, layer: int, name: str) -> int:

@@ -112,10 +112,13 @@ def gc(root: Path) -> dict[str, int]:
         parts = leftover_parts(root)
         for path in parts:
             path.unlink(missing_ok=True)
-        forgotten = 0
+        forgotten = orphans = 0
         for folder in sorted(p for p in root.iterdir() if is_identity(p)):
-            forgotten += len(Shelf(folder).load(None, repair=True))
-        return {"parts": len(parts), "states_forgotten": forgotten, "bytes_freed": before - _bytes(root)}
+            shelf = Shelf(folder)
+            forgotten += len(shelf.load(None, repair=True))
+            orphans += shelf.orphans_removed
+        return {"parts": len(parts), "states_forgotten": forgotten, "orphan_blocks": orphans,
+                "bytes_freed": before - _bytes(root)}
     finally:
         release_lock(fd)
 

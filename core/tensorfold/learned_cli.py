@@ -81,7 +81,8 @@ def gc(learn_dir: Path | None = DirOption) -> None:
         done = learned.gc(_root(learn_dir))
     except StoreRefused as error:
         _refused(error)
-    typer.echo(f"removed {done['parts']} .part files, {done['states_forgotten']} damaged states; "
+    typer.echo(f"removed {done['parts']} .part files, {done['states_forgotten']} damaged states, "
+               f"{done['orphan_blocks']} orphan blocks; "
                f"{done['bytes_freed'] / 2**20:.1f} MiB freed")
 
 

@@ -4,12 +4,11 @@ CUDA; run in device sessions (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
+from cuda_disk_turns import ask
 
-from tensorfold.engine.api import DoneEvent, ErrorEvent, KeepMarks, Request, Sampling, TokenEvent
+from tensorfold.engine.api import KeepMarks
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes
 from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
@@ -23,7 +22,6 @@ from tensorfold_qwen import plugin
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CONTEXT, PAGE_ROWS, CHUNK, MIN_CHUNK, PARALLEL = 512, 16, 64, 16, 2
-GREEDY = Sampling(temperature=0.0, max_tokens=12)
 
 
 def tokens(n: int, salt: int) -> tuple[int, ...]:
@@ -41,23 +39,6 @@ def engine(subject, device_budget: int | None, host: bool) -> tuple[Engine, Stre
     return Engine(runner, mem, CHUNK, CONTEXT, 8, min_chunk=MIN_CHUNK, tier=tier, host=lower), mem
 
 
-def ask(eng: Engine, name: str, prompt: tuple[int, ...], starts: tuple[int, ...], rewind: int | None
-        ) -> tuple[list[int], DoneEvent]:
-    out: list[int] = []
-    done: queue.Queue = queue.Queue()
-
-    def on_event(event) -> None:
-        if isinstance(event, TokenEvent):
-            out.append(event.token_id)
-        else:
-            done.put(event)
-
-    eng.submit(Request(name, prompt, GREEDY, on_event, starts=starts, marks=KeepMarks(rewind=rewind)))
-    event = done.get(timeout=120)
-    assert not isinstance(event, ErrorEvent), event
-    return out, event
-
-
 def test_resumed_from_pinned_host_equals_fresh_on_cuda(tmp_path):
     plugin.write_tiny(tmp_path, seed=6)
     subject = kit.load(load_families(["qwen"])["qwen"], tmp_path, dtype=torch.bfloat16, device="cuda")
@@ -70,7 +51,7 @@ def test_resumed_from_pinned_host_equals_fresh_on_cuda(tmp_path):
         for turn in range(3):
             for name, chat in chats.items():
                 prompt, starts, rewind = chat
-                reply, done = ask(eng, f"{name}{turn}", prompt, starts, rewind)
+                reply, done = ask(eng, f"{name}{turn}", prompt, starts, KeepMarks(rewind=rewind))
                 replies.append((prompt, starts, rewind, reply, done.cached_tokens))
                 grown = prompt + tuple(reply) + tokens(20, turn + 5)
                 chat[:] = [grown, starts + (len(prompt), len(prompt) + len(reply)), len(prompt) + len(reply)]
@@ -86,7 +67,7 @@ def test_resumed_from_pinned_host_equals_fresh_on_cuda(tmp_path):
     fresh_eng.start()
     try:
         for k, (prompt, starts, rewind, reply, _) in enumerate(replies):
-            again, done = ask(fresh_eng, f"fresh{k}", prompt, starts, rewind)
+            again, done = ask(fresh_eng, f"fresh{k}", prompt, starts, KeepMarks(rewind=rewind))
             assert done.cached_tokens == 0 and again == reply, f"request {k} differs from a fresh run"
     finally:
         fresh_eng.close()

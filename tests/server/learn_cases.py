@@ -3,6 +3,7 @@ server's replies to compare with, and the reads they make of a real server (/mem
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -41,6 +42,13 @@ def ask(url: str, messages: list[dict]) -> dict:
                              "return_token_ids": True})
     assert reply.status_code == 200, reply.text
     return reply.json()
+
+
+def sample(metrics: str, name: str) -> float:
+    """One unlabelled sample's value in /metrics text."""
+    found = re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, f"{name} is not in /metrics"
+    return float(found.group(1))
 
 
 def memory(url: str) -> dict:

@@ -19,6 +19,7 @@ from learn_cases import (
     fresh_server,
     learn_args,
     memory,
+    sample,
     serve_args,
     turns,
     written,
@@ -55,6 +56,7 @@ def test_a_state_written_at_sigterm_is_read_by_a_new_server_process(tiny_checkpo
     assert f'tensorfold_prompt_tokens_cached_total{{tier="disk"}} {float(fresh["history"])}' in metrics
     assert now["tiers"]["disk"]["hits"] == 1 and now["tiers"]["disk"]["cached_tokens"] == fresh["history"]
     assert now["disk_failed_reads"] == now["disk_declined"] == 0 and now["integrity_when_idle"] == "ok"
+    assert sample(metrics, "tensorfold_disk_read_seconds_total") > 0
     assert f"resumed at {fresh['history']} of {second['usage']['prompt_tokens']} from disk" in log.read_text()
 
 

@@ -29,6 +29,7 @@ from learn_cases import (
     check_resumed,
     fresh_server,
     memory,
+    sample,
     serve_args,
     settled,
     written,
@@ -118,12 +119,13 @@ def shorter(states: dict[int, Path], fresh: dict) -> int:
 def serve_second_turn(model: Path, root: Path, log: Path, fresh: dict, *extra: str,
                       before: Callable[[str], None] | None = None) -> tuple[dict, dict, set[Path]]:
     """A new server process on `root` answers a conversation's second turn: its reply, /memory's numbers after it,
-    and the state and block files then (`before(url)` runs between startup and the request)."""
+    and the state and block files then (`before(url)` runs between startup and the request). /metrics's text
+    rides along in the numbers as "metrics_text"."""
     with serving(learning(model, root, *extra), log, env=ENV) as url:
         if before is not None:
             before(url)
         second = ask(url, fresh["messages"])
-        now = memory(url)["now"]
+        now = {**memory(url)["now"], "metrics_text": httpx.get(f"{url}/metrics", timeout=10).text}
         files = {*root.glob("*/states/*.st"), *root.glob("*/blocks/*.blk")}
     return second, now, files
 
@@ -150,23 +152,30 @@ def test_a_truncated_block_forgets_its_state_at_startup_and_the_turn_resumes_fro
     assert f"resumed at {system_end} of {second['usage']['prompt_tokens']} from disk" in text, tail(log)
 
 
-def test_a_flipped_byte_in_a_state_file_body_fails_its_hash_and_the_turn_prefills(tiny_checkpoint, tmp_path, store,
-                                                                                   fresh):
+def test_a_flipped_byte_in_a_state_file_body_fails_its_hash_and_the_turn_falls_back_to_the_shorter_state(
+        tiny_checkpoint, tmp_path, store, fresh):
     """A byte of the history end's tail rows flipped: its header still checks at startup, the read's sha256 does
-    not; the state is forgotten (disk_failed_reads, disk_damaged) and the admitted request prefills from row 0
-    (a failed read does not fall back to a shorter state: tiers/disk.py restore), so cached_tokens is 0."""
+    not; the state is forgotten (disk_failed_reads, disk_damaged, on /memory and /metrics) and the admitted request
+    falls back to the next shorter state on disk, the system end (tiers/chain.py), so its reply equals fresh."""
     a, root, log = fresh["a"], copy(store, tmp_path), tmp_path / "server.log"
     states = kept(root)
+    system_end = shorter(states, a)
     path = states[a["history"]]
     data = bytearray(path.read_bytes())
     data[len(data) - 40 - 100] ^= 0x40      # 100 bytes before the trailer: inside the body
     path.write_bytes(bytes(data))
     second, now, files = serve_second_turn(tiny_checkpoint, root, log, a)
-    check_resumed(second, a, at=0)
+    check_resumed(second, a, at=system_end)
     assert now["disk_failed_reads"] == 1 and now["disk_damaged"] == 1 and now["disk_states"] == 1, now
-    assert now["tiers"]["disk"]["hits"] == 0 and path not in files and states[shorter(states, a)] in files
+    assert now["tiers"]["disk"]["hits"] == 1 and path not in files and states[system_end] in files
+    metrics = now["metrics_text"]
+    assert "tensorfold_disk_damaged_total 1.0" in metrics and "tensorfold_disk_failed_reads_total 1.0" in metrics
+    assert sample(metrics, "tensorfold_disk_read_bytes_total") > 0
+    text = log.read_text()
     assert f"the state at {a['history']} on disk failed its check ({path}: sha256 of the payload differs from its " \
-           "trailer); prefilling" in log.read_text(), tail(log)
+           "trailer)" in text, tail(log)
+    assert f"falling back to the state at {system_end} on the disk tier" in text, tail(log)
+    assert f"resumed at {system_end} of {second['usage']['prompt_tokens']} from disk" in text, tail(log)
 
 
 def test_a_block_deleted_under_a_running_server_is_a_counted_miss(tiny_checkpoint, tmp_path, store, fresh):

@@ -96,8 +96,8 @@ class Scheduler:
         if hit is None or not stream.cached:
             log.info("%s: no kept state; prefilling %s rows", stream.request.id, f"{rows:,}")
         else:
-            log.info("%s: resumed at %s of %s from %s", stream.request.id, f"{hit.state.at:,}", f"{rows:,}",
-                     hit.tier.name)
+            log.info("%s: resumed at %s of %s from %s", stream.request.id, f"{stream.cached:,}", f"{rows:,}",
+                     self.tiers.resumed_from)
 
     def _evicting_helps(self, rows: int, shared: int) -> bool:
         """Whether the pages kept states alone hold would let a lease of `rows` rows fit (else it waits for

@@ -3,6 +3,7 @@ the measurement of the disk's side of that prediction."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -42,6 +43,26 @@ def sequential_read_rate(directory: Path, nbytes: int = 64 << 20) -> float:
     finally:
         path.unlink(missing_ok=True)
     return total / max(seconds, 1e-9)
+
+
+def hash_rate(nbytes: int = 16 << 20) -> float:
+    """Bytes/s sha256 runs at on this machine: a read verifies every byte it reads."""
+    data = os.urandom(max(nbytes, 1))
+    start = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return len(data) / max(time.perf_counter() - start, 1e-9)
+
+
+def serial_rate(*rates: float) -> float:
+    """The rate of steps that run one after another over the same bytes (1 / Σ 1/rate)."""
+    return 1.0 / sum(1.0 / max(rate, 1e-9) for rate in rates)
+
+
+def observed_rate(before: float, nbytes: int, seconds: float, weight: float = 0.5) -> float:
+    """The payoff rule's read rate after a resume read `nbytes` in `seconds` (read, verify and put back): the
+    measurement replaces the startup estimate's half, so one odd read cannot swing it all the way."""
+    seen = nbytes / max(seconds, 1e-9)
+    return seen if before <= 0 else (1 - weight) * before + weight * seen
 
 
 def _write_scratch(path: Path, pattern: memoryview, nbytes: int) -> None:

@@ -34,7 +34,7 @@ from tensorfold.rows.files import (
     write_json,
 )
 from tensorfold.rows.names import Chain, state_key, token_bytes, tokens_from
-from tensorfold.rows.payoff import sequential_read_rate
+from tensorfold.rows.payoff import hash_rate, sequential_read_rate, serial_rate
 from tensorfold.rows.root import (
     IDENTITY,
     DailyBudget,
@@ -429,6 +429,6 @@ class RowsStore:
                           parts_removed=c["parts_removed"], orphans_removed=c["orphans_removed"])
 
     def read_bandwidth(self, nbytes: int = 64 << 20) -> float:
-        """Bytes/s of a plain sequential read of a scratch file written in the store, the payoff rule's
-        denominator (rows/payoff.py sequential_read_rate); reads also hash, which the rate leaves out."""
-        return sequential_read_rate(self.directory, nbytes)
+        """Bytes/s a state read is estimated at before any was made, the payoff rule's denominator: a plain
+        sequential read of a scratch file written in the store, then sha256 over the same bytes (rows/payoff.py)."""
+        return serial_rate(sequential_read_rate(self.directory, nbytes), hash_rate(min(nbytes, 16 << 20)))

@@ -48,6 +48,22 @@ TIER_METRICS: tuple[TierMetric, ...] = (
                "budget"),
 )
 
+# The disk tier's own counters (its describe() keys): what a store's operator watches beyond the per-tier ones.
+DISK_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("disk_read_bytes", "Bytes of kept states read from the rows store.", "disk_read_bytes"),
+    ("disk_read_seconds", "Seconds spent reading and verifying kept states from the rows store.",
+     "disk_read_seconds"),
+    ("disk_written_bytes", "Bytes of kept states written to the rows store.", "disk_written_bytes"),
+    ("disk_damaged", "Store files that failed a check (at startup or on a read); their states were forgotten.",
+     "disk_damaged"),
+    ("disk_failed_reads", "Resumes whose disk read failed its check (the request fell back or prefilled).",
+     "disk_failed_reads"),
+    ("disk_declined", "Disk states the payoff rule declined: prefilling was predicted cheaper than reading.",
+     "disk_declined"),
+    ("disk_dropped", "States that never reached the disk: the staging queue was full or shutdown ran out of time.",
+     "disk_dropped"),
+)
+
 
 def tier_stats(engine: Any) -> list[TierStats]:
     """Every tier's TierStats now, fastest first; empty with every tier off (or an engine that has no tiers,
@@ -75,8 +91,16 @@ class EngineCollector(Collector):
 
     def _live(self) -> list[Metric]:
         engine = self.service.engine
-        return [*self._tiers(tier_stats(engine)), *self._requests(getattr(engine, "scheduler", None)),
-                *self._memory(getattr(engine, "memory", None))]
+        return [*self._tiers(tier_stats(engine)), *self._disk(engine),
+                *self._requests(getattr(engine, "scheduler", None)), *self._memory(getattr(engine, "memory", None))]
+
+    def _disk(self, engine: Any) -> Iterator[Metric]:
+        disk = next((tier for tier in getattr(engine, "tiers", ()) if tier.name == "disk"), None)
+        if disk is None:
+            return
+        numbers = disk.describe()
+        for name, help_text, key in DISK_METRICS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=numbers[key])
 
     def _tiers(self, stats: list[TierStats]) -> Iterator[Metric]:
         for metric in TIER_METRICS:

@@ -4,13 +4,16 @@
              when both are off or refuse it, staged for the disk tier
     lookup   the longest state any tier may resume from (device first on a tie; the disk only when longer and
              worth reading, tiers/disk.py); the tier that serves it counts a hit, every other tier a miss, once
-             per admitted request
+             per admitted request; a disk read that fails its check falls back to the next shorter state on the
+             host or on disk
     evict    the device tier lets a state go into the host tier (tiers/device.py), or into the disk tier when there
              is no host tier or the host refuses it; the host tier lets its states go into the disk tier, or drops
     close    at shutdown the states still kept in RAM are staged for the disk and its queue is flushed
 """
 
 from __future__ import annotations
+
+import logging
 
 import attrs
 
@@ -20,6 +23,8 @@ from tensorfold.tiers.disk import DiskState, DiskTier
 from tensorfold.tiers.host import HostState, HostTier
 from tensorfold.tiers.policy import mark_passed
 from tensorfold.tiers.stats import TierStats
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -65,6 +70,7 @@ class KeptTiers:
         self.ram: tuple[DeviceTier | HostTier, ...] = tuple(t for t in (device, host) if t is not None)
         self.tiers: tuple[DeviceTier | HostTier | DiskTier, ...] = tuple(
             t for t in (device, host, disk) if t is not None)
+        self.resumed_from: str | None = None          # the tier the last admitted request resumed from
 
     def lookup(self, prompt: tuple[int, ...], cuts: tuple[int, ...]) -> Hit | None:
         """The longest state a pass over `prompt` cut at `cuts` may resume from, in any tier; counts nothing."""
@@ -81,7 +87,8 @@ class KeptTiers:
 
     def admitted(self, hit: Hit | None, claim: Claim, owner: str = "") -> int:
         """A request was admitted with this hit: restore it into the claim and count hits and misses; the rows it
-        resumes at (0 when a disk read failed its check: the request prefills)."""
+        resumes at (after a disk read that failed its check, a shorter state's; 0: the request prefills)."""
+        self.resumed_from = hit.tier.name if hit is not None else None
         for tier in self.tiers:
             if hit is None or tier is not hit.tier:
                 tier.misses += 1
@@ -90,9 +97,45 @@ class KeptTiers:
         if hit is None:
             return 0
         if hit.tier is self.disk:
-            return self.disk.restore(hit.state, claim, owner)
+            return self._from_disk(hit, claim, owner)
         hit.tier.restore(hit.state, claim)
         return hit.state.at
+
+    def _from_disk(self, hit: Hit, claim: Claim, owner: str) -> int:
+        """Read a disk hit into the claim; when a read fails its check (the store forgets that state), fall back
+        to the longest shorter state the host tier or the disk holds for the same pass, until one reads or none
+        is left. The claim is untouched until a read succeeds, so a fallback restores into it as if first."""
+        assert self.disk is not None
+        while True:
+            image = self.disk.read(hit.state, owner)
+            if image is not None:
+                self.resumed_from = self.disk.name
+                return self.disk.put(hit.state, image, claim, owner)
+            fallback = self._shorter(hit.state, owner)
+            if fallback is None:
+                self.resumed_from = None
+                return 0
+            log.info("%s: falling back to the state at %s on the %s tier", owner, f"{fallback.state.at:,}",
+                     fallback.tier.name)
+            if fallback.tier is not self.disk:
+                fallback.tier.misses -= 1              # counted a miss at admission; it serves the request after all
+                fallback.tier.restore(fallback.state, claim)
+                self.resumed_from = fallback.tier.name
+                return fallback.state.at
+            hit = fallback
+
+    def _shorter(self, state: DiskState, owner: str) -> Hit | None:
+        """The longest state shorter than `state` a pass with its cuts may resume from, in a tier whose states
+        share no pages (a fresh claim was taken without them)."""
+        best: Hit | None = None
+        for tier in self.ram:
+            found = tier.find(state.tokens, state.cuts)
+            if found is not None and not found.pages and (best is None or found.at > best.state.at):
+                best = Hit(tier, found)
+        assert self.disk is not None
+        found_disk = self.disk.find(state.tokens, state.cuts, beyond=best.state.at if best is not None else 0)
+        self.disk.looked_up(owner)
+        return Hit(self.disk, found_disk) if found_disk is not None else best
 
     def ready(self) -> None:
         """Wait for the restores' copies once, before the next step."""

@@ -7,11 +7,13 @@ evictions and restarts.
             step that let it go never waits on the disk
     lookup  after the device and host tiers: the store's longest state a pass over the prompt may resume from
             (its tokens a prefix, its cuts the pass's own), if longer than theirs; it is read only when the payoff
-            rule (rows/payoff.py) says reading its bytes beats prefilling the rows it saves, with the store's read
-            bandwidth and the model's prefill rate measured at startup; a decline is counted and logged
+            rule (rows/payoff.py) says reading its bytes beats prefilling the rows it saves, with the model's
+            prefill rate measured at startup and the store's read rate estimated at startup (sequential read and
+            sha256) then taken from each resume's read and put back; a decline is counted and logged
     out     at admission, before the stream's first step: read (the store verifies lengths, hashes and words), put
-            back into the fresh claim's slot (image.put_back); a read that fails is counted, the store forgets the
-            state, and the request prefills from row 0, so its reply equals a fresh run's
+            back into the fresh claim's slot (image.put_back); a read that fails is counted and the store forgets
+            the state; the chain (chain.py) then falls back to the next shorter state on the host or on disk, else
+            the request prefills from row 0, so its reply equals a fresh run's
     close   at shutdown the states still kept on the device and the host are staged too (most recently used
             first), and the queue is flushed within `flush_s` seconds; what is left is dropped, and the log says
             how many were written and dropped
@@ -28,12 +30,12 @@ import attrs
 import torch
 
 from tensorfold.engine.memory import Claim, StreamMemory
-from tensorfold.image import ImageFormat, put_back, read_out
+from tensorfold.image import ImageFormat, StateImage, put_back, read_out
 from tensorfold.kv import PagedStore
 from tensorfold.layout import Layout
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.rows.api import Damaged, StateEntry, StoreStats
-from tensorfold.rows.payoff import should_read
+from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
 from tensorfold.tiers.device import KeptState
 from tensorfold.tiers.host import HostState
@@ -63,6 +65,7 @@ class DiskState:
     why: frozenset[str] = frozenset()
     passed: bool = False
     hits: int = 0
+    read_s: float = 0.0       # seconds its last read took (read and verify)
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -131,6 +134,7 @@ class DiskTier:
         self.flush_s = flush_s
         self.margin = margin
         self.hits = self.misses = self.declined = self.failed_reads = self.cached_tokens = 0
+        self.read_seconds = 0.0
         self.staged = self.on_disk_already = self.skipped = self.verified = self.mismatches = 0
         self._declining: tuple[StateEntry, int] | None = None
         self._deadline: float | None = None
@@ -254,24 +258,55 @@ class DiskTier:
     def restore(self, state: DiskState, claim: Claim, owner: str = "") -> int:
         """Read a state and put it into a fresh claim (no shared pages); the rows resumed, or 0 when the read
         failed verification (counted; the store has forgotten it; the slot is cleared and the request prefills)."""
-        kv = self.memory.kv
-        if claim.lease is not None and claim.lease.pages:
-            raise ValueError("a disk state is restored into a claim that shares no pages")
+        image = self.read(state, owner)
+        return 0 if image is None else self.put(state, image, claim, owner)
+
+    def read(self, state: DiskState, owner: str = "") -> StateImage | None:
+        """The state's verified image, or None when it failed its check (counted and logged; the store has
+        forgotten it, so a lookup now finds at most a shorter state)."""
+        began = time.perf_counter()
         try:
             image = self.store.read(state.entry)
             if image.at != state.at:
                 raise Damaged(f"the state file says at {image.at}, its index entry {state.at}")
+        except (Damaged, OSError) as err:
+            self._failed(state, owner, err)
+            return None
+        seconds = time.perf_counter() - began
+        self.read_seconds += seconds
+        state.read_s = seconds
+        log.info("%s: read the state at %s from disk: %s in %.1f ms (%s/s)", owner, f"{state.at:,}",
+                 _size(state.entry.nbytes), seconds * 1e3, _size(state.entry.nbytes / max(seconds, 1e-9)))
+        return image
+
+    def put(self, state: DiskState, image: StateImage, claim: Claim, owner: str = "") -> int:
+        """Put a read image into a fresh claim (no shared pages); the rows resumed, or 0 when it does not fit
+        the Layout (counted; the slot is cleared and the request prefills)."""
+        kv = self.memory.kv
+        if claim.lease is not None and claim.lease.pages:
+            raise ValueError("a disk state is restored into a claim that shares no pages")
+        began = time.perf_counter()
+        try:
             self.memory.extend(claim, state.at)
             put_back(kv, claim.slot, image, self.fmt)
-        except (Damaged, ValueError, OSError) as err:
-            self.failed_reads += 1
+        except (ValueError, OSError) as err:
+            self._failed(state, owner, err)
             kv.clear(claim.slot)
-            log.warning("%s: the state at %s on disk failed its check (%s); prefilling", owner, f"{state.at:,}", err)
             return 0
+        if kv.device.type == "cuda":
+            torch.cuda.synchronize(kv.device)
+        before = self.read_bytes_per_s
+        self.read_bytes_per_s = observed_rate(before, state.entry.nbytes, state.read_s + time.perf_counter() - began)
+        log.info("the payoff rule now reads at %s/s (was %s/s): measured on this resume", _size(self.read_bytes_per_s),
+                 _size(before))
         state.hits += 1
         self.hits += 1
         self.cached_tokens += state.at
         return state.at
+
+    def _failed(self, state: DiskState, owner: str, err: Exception) -> None:
+        self.failed_reads += 1
+        log.warning("%s: the state at %s on disk failed its check (%s)", owner, f"{state.at:,}", err)
 
     def ready(self) -> None:
         """Restores are synchronous: nothing to wait for."""
@@ -335,7 +370,8 @@ class DiskTier:
         store = self.store.stats()
         return {"disk_states": store.states, "disk_bytes": store.bytes, "disk_budget": store.budget,
                 "disk_hits": self.hits, "disk_written": store.written, "disk_written_bytes": store.written_bytes,
-                "disk_read_bytes": store.read_bytes, "disk_damaged": store.damaged,
+                "disk_read_bytes": store.read_bytes, "disk_read_seconds": round(self.read_seconds, 6),
+                "disk_damaged": store.damaged,
                 "disk_failed_reads": self.failed_reads, "disk_declined": self.declined,
                 "disk_skipped_daily": store.skipped_daily, "disk_skipped_floor": store.skipped_floor,
                 "disk_skipped_cap": store.skipped_cap, "disk_evicted": store.evicted,

@@ -63,10 +63,13 @@ def test_gc_removes_parts_damaged_states_and_orphans(kept):
     (kept / "leftover.blk.part").write_bytes(b"half")
     state = files(kept, ".st")[0]
     state.write_bytes(state.read_bytes()[:10])
+    blocks = len(files(kept, ".blk"))
     result = run("gc", "--learn-dir", str(kept))
     assert result.exit_code == 0, result.output
     assert not (kept / "leftover.blk.part").exists() and not state.exists()
-    assert "1 .part files, 1 damaged states" in result.output
+    orphans = blocks - len(files(kept, ".blk"))
+    assert orphans > 0                                       # the damaged state's own blocks no other state lists
+    assert f"1 .part files, 1 damaged states, {orphans} orphan blocks" in result.output
     assert learned.verify(kept) == {i.name: [] for i in learned.identities(kept)}
 
 
