@@ -18,8 +18,9 @@ import struct
 import attrs
 import torch
 
+from tensorfold.image_rows import RowsTable, put_rows, rows_bytes
 from tensorfold.kv import KvStore
-from tensorfold.layout import DTYPES, Layout
+from tensorfold.layout import Layout
 
 MAGIC = b"TFIM"
 CONTAINER_VERSION = 1
@@ -109,9 +110,6 @@ def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:
     return raw.view(like.dtype).reshape(like.shape).to(like.device)
 
 
-PUT_PIECE_BYTES = 64 << 20    # rows of an image moved to the device at a time: bounds the extra device memory
-
-
 def row_offset(layout: Layout, fmt: ImageFormat, position: int) -> int:
     """Bytes of the rows part before `position`."""
     layers = layout.layers
@@ -124,18 +122,7 @@ def row_offset(layout: Layout, fmt: ImageFormat, position: int) -> int:
 def read_out(kv: KvStore, slot: int, at: int, fmt: ImageFormat) -> StateImage:
     """The image of the state a slot holds at `at` (the slot must have run exactly to `at`)."""
     own = b"".join(_as_bytes(kv.fixed(i, name, slot)) for i, name in fmt.own)
-    parts = [kv.rows(i, name, slot, at) for i, name in fmt.rows]
-    everies = [_every(kv.layout, i, name) for i, name in fmt.rows]
-    if all(every == 1 for every in everies) and parts:
-        table = torch.cat([p.contiguous().reshape(at, -1).view(torch.uint8).reshape(at, -1) for p in parts], dim=1)
-        rows = _as_bytes(table)
-    else:
-        chunks = bytearray()
-        for position in range(at):
-            for part, every in zip(parts, everies, strict=True):
-                if (position + 1) % every == 0:
-                    chunks += _as_bytes(part[position // every])
-        rows = bytes(chunks)
+    rows = rows_bytes(kv, slot, at, RowsTable.of(kv, fmt.rows))
     return StateImage(format=fmt.name, version=fmt.version, at=at, digest=layout_digest(kv.layout),
                       own=own, rows=rows)
 
@@ -155,44 +142,4 @@ def put_back(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat) -> Non
         offset += size
     if offset != len(image.own):
         raise ValueError(f"image own part is {len(image.own)} bytes, the format needs {offset}")
-    _put_rows(kv, slot, image, fmt)
-
-
-def _put_rows(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat) -> None:
-    specs = [next(s for s in kv.layout.layers[i].rows if s.name == name) for i, name in fmt.rows]
-    if all(spec.every == 1 for spec in specs):
-        _put_plain_rows(kv, slot, image, fmt, specs)
-        return
-    offset = 0
-    for position in range(image.at):
-        for (i, name), spec in zip(fmt.rows, specs, strict=True):
-            if (position + 1) % spec.every:
-                continue
-            entry = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=kv.device)
-            entry = _from_bytes(image.rows[offset: offset + spec.entry_bytes], entry)
-            kv.write_rows(i, name, slot, position + 1 - spec.every, entry.unsqueeze(0))
-            offset += spec.entry_bytes
-    if offset != len(image.rows):
-        raise ValueError(f"image rows part is {len(image.rows)} bytes, {image.at} rows need {offset}")
-
-
-def _put_plain_rows(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat, specs: list) -> None:
-    record = sum(spec.entry_bytes for spec in specs)
-    if len(image.rows) != record * image.at:
-        raise ValueError(f"image rows part is {len(image.rows)} bytes, {image.at} rows need {record * image.at}")
-    if not image.at or not specs:
-        return
-    rows = image.rows if isinstance(image.rows, bytearray) else bytearray(image.rows)
-    table = torch.frombuffer(rows, dtype=torch.uint8).reshape(image.at, record)
-    step = max(1, PUT_PIECE_BYTES // record)
-    for first in range(0, image.at, step):
-        piece = table[first: first + step].to(kv.device)        # one copy per piece; the columns split there
-        offset = 0
-        for (i, name), spec in zip(fmt.rows, specs, strict=True):
-            values = piece[:, offset: offset + spec.entry_bytes].contiguous().view(DTYPES[spec.dtype])
-            kv.write_rows(i, name, slot, first, values.reshape(piece.shape[0], *spec.shape))
-            offset += spec.entry_bytes
-
-
-def _every(layout: Layout, layer: int, name: str) -> int:
-    return next(s.every for s in layout.layers[layer].rows if s.name == name)
+    put_rows(kv, slot, image.rows, image.at, RowsTable.of(kv, fmt.rows))

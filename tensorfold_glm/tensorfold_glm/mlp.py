@@ -1,0 +1,125 @@
+"""The feed-forward half of a GLM-5.3-Flash layer: a dense clamped SwiGLU (the first layers, `mlp_layer_types`
+"dense") or a sigmoid-routed MoE with a shared expert ("sparse").
+
+    swiglu(x) = down(silu(min(gate(x), L)) · clamp(up(x), -L, L))                      L = swiglu_limit
+    scores    = sigmoid(x @ routerᵀ)                                                     float32 [N]
+    chosen    = top-k of scores + e_score_correction_bias (within the topk_group best groups if n_group > 1)
+    weights   = scores[chosen] / (Σ scores[chosen] + 1e-20) · routed_scaling           (unbiased scores)
+    moe(x)    = Σ_j weights_j · swiglu_{chosen_j}(x) + shared_swiglu(x)
+
+The clamp applies to the dense MLP, the shared expert and every routed expert alike. Ties in the top-k go to the
+lower index (torch.topk leaves tie order unspecified; on untied inputs both choose the same set). The routed sum
+follows HF's default `grouped_mm` experts path: each expert's output in the model dtype times its float32 weight,
+summed in float32 (here in ascending expert order), rounded once to the model dtype.
+
+Shapes in comments: T rows, E hidden size, F intermediate size, N experts, k experts per token, G groups.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+
+@attrs.frozen
+class MlpWeights:
+    """A clamped SwiGLU MLP (HF names under `mlp.` for a dense layer, `mlp.shared_experts.` for the shared one)."""
+
+    gate_proj: torch.Tensor             # [F, E]
+    up_proj: torch.Tensor               # [F, E]
+    down_proj: torch.Tensor             # [E, F]
+
+
+@attrs.frozen
+class MoeWeights:
+    """A routed MoE layer, experts in HF's fused layout (per-expert checkpoint tensors `mlp.experts.{e}.*_proj`
+    stacked at load: gate rows then up rows). router and e_score_correction_bias stay float32 at a bf16 load."""
+
+    router: torch.Tensor                    # [N, E]       mlp.gate.weight (float32)
+    e_score_correction_bias: torch.Tensor   # [N]          mlp.gate.e_score_correction_bias (float32)
+    gate_up: torch.Tensor                   # [N, 2F, E]   mlp.experts.{e}.gate_proj, then .up_proj
+    down: torch.Tensor                      # [N, E, F]    mlp.experts.{e}.down_proj
+    shared_experts: MlpWeights              #              mlp.shared_experts.* (F·n_shared_experts wide)
+
+
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(gate clamped above at limit) · (up clamped to ±limit), in the inputs' dtype; no clamp if limit is None."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def swiglu(w: MlpWeights, x: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The dense MLP or shared expert: [T, E] -> [T, F] -> [T, E], in x's dtype."""
+    return F.linear(clamped_glu(F.linear(x, w.gate_proj), F.linear(x, w.up_proj), limit), w.down_proj)
+
+
+def router_scores(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x @ routerᵀ) in float32: [T, E] -> [T, N]."""
+    return torch.sigmoid(F.linear(x.float(), w.router.float()))
+
+
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest along the last dim, ties to the lower index (a stable descending sort): [..., n] -> [..., k]."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def choose(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """The chosen experts of each row, ascending: [T, N] float32 -> [T, k] long.
+
+    Chosen by scores + bias; with n_group > 1 only within the topk_group groups whose two best biased scores sum
+    highest (HF's group-limited routing; its n_group = 1 default makes this a plain top-k)."""
+    biased = scores + bias.float()                                                   # [T, N]
+    if n_group > 1:
+        T, N = biased.shape
+        grouped = biased.reshape(T, n_group, N // n_group)                           # [T, G, N/G]
+        group_scores = torch.sort(grouped, dim=-1, descending=True).values[..., :2].sum(-1)   # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, top_indices(group_scores, topk_group), True)
+        biased = biased.masked_fill(~keep.repeat_interleave(N // n_group, dim=1), float("-inf"))
+    return top_indices(biased, top_k).sort(dim=-1).values
+
+
+def route(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
+          n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, chosen [T, k] long, experts ascending): the unbiased scores of the chosen experts,
+    normalised to sum 1 (if norm_topk_prob), times routed_scaling."""
+    scores = router_scores(w, x)                                                     # [T, N] float32
+    chosen = choose(scores, w.e_score_correction_bias, top_k, n_group, topk_group)
+    weights = scores.gather(1, chosen)                                               # [T, k] float32
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling, chosen
+
+
+def routed_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                   limit: float | None) -> torch.Tensor:
+    """Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) per row, one row and one expert at a time (so a row's
+    result never depends on the other rows), summed in float32 in the order of `chosen`, cast to x's dtype."""
+    out = torch.empty_like(x)                                                        # [T, E]
+    picks = chosen.tolist()
+    for t in range(x.shape[0]):
+        row = x[t:t + 1]                                                             # [1, E]
+        total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)        # [E]
+        for j, expert in enumerate(picks[t]):
+            gate, up = F.linear(row, w.gate_up[expert]).chunk(2, dim=-1)              # [1, F] each
+            hidden = F.linear(clamped_glu(gate, up, limit), w.down[expert])[0]       # [E] x's dtype
+            total = total + hidden.float() * weights[t, j]                          # float32, as HF promotes
+        out[t] = total.to(x.dtype)
+    return out
+
+
+def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool, n_group: int,
+        topk_group: int, limit: float | None) -> torch.Tensor:
+    """The sparse layer: routed experts plus the shared expert, [T, E] -> [T, E] in x's dtype. On CUDA the routed
+    experts run grouped by expert (experts.py), on the CPU one row at a time (the reference)."""
+    weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)
+    if x.device.type == "cuda":
+        from tensorfold_glm.experts import grouped_experts
+
+        routed = grouped_experts(w, x, weights, chosen, limit)
+    else:
+        routed = routed_experts(w, x, weights, chosen, limit)
+    return routed + swiglu(w.shared_experts, x, limit)

@@ -1,0 +1,119 @@
+"""The GLM-5.3-Flash text model: KDA and MLA (with the DSA pooled-key indexer) mixers, dense or MoE feed-forwards,
+all inside mHC hyper-connections; one stream at a time.
+
+    streams = embed(tokens) copied to m streams                                  [T, m, E]
+    per layer, per block (mixer, then feed-forward):
+        x, post, comb = hc_pre(streams)              the block's input mixed from the streams (hc.py)
+        out = block(rms_norm(x))                     mixer: KDA (kda.py) or MLA (mla.py); ffn: SwiGLU or MoE (mlp.py)
+        streams = post ⊗ out + combᵀ streams
+    logits = lm_head(rms_norm(mean over streams))    every rms_norm here is plain: w·x̂
+
+A shared-indexer MLA layer attends to the keys the MLA layer right before it selected for the same rows; every
+other layer's selection is its own. Everything a later step needs is in the KvStore: the KDA conv tail and
+recurrent state as fixed states, the MLA latents and pooled index keys as rows by position, the incomplete pool's
+raw index keys as a fixed state. Shapes in comments: T rows of this step, m streams, E hidden size, V vocab.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from tensorfold.kv import KvStore
+from tensorfold.plan import StepPlan, StreamStep
+from tensorfold_glm.config import CONV, RECURRENT, GlmConfig
+from tensorfold_glm.hc import HcWeights, expand, hc_head, hc_post, hc_pre, rms_norm
+from tensorfold_glm.indexer import IndexerDims
+from tensorfold_glm.kda import KdaWeights, kimi_delta_attention
+from tensorfold_glm.mla import MlaDims, MlaWeights, mla_attention
+from tensorfold_glm.mlp import MlpWeights, MoeWeights, moe, swiglu
+
+
+@attrs.frozen
+class LayerWeights:
+    """One decoder layer: each block's hyper-connection and norm, the mixer and the feed-forward."""
+
+    attn_hc: HcWeights                  # hc_attn_{fn,base,scale}
+    input_norm: torch.Tensor            # [E]   input_layernorm.weight
+    mixer: KdaWeights | MlaWeights      # self_attn.*
+    ffn_hc: HcWeights                   # hc_ffn_{fn,base,scale}
+    post_norm: torch.Tensor             # [E]   post_attention_layernorm.weight
+    ffn: MlpWeights | MoeWeights        # mlp.*
+
+
+@attrs.frozen
+class Weights:
+    """Every tensor of the model, on its device (float32 where HF keeps float32, else the model's dtype)."""
+
+    embed: torch.Tensor                 # [V, E]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor                  # [E]
+    lm_head: torch.Tensor               # [V, E] (the embedding itself when tied)
+
+
+class GlmModel:
+    """A loaded GLM-5.3-Flash checkpoint; `forward(plan, kv)` is the FamilyModel entry the engine calls."""
+
+    def __init__(self, config: GlmConfig, weights: Weights) -> None:
+        self.config = config
+        self.weights = weights
+        self.vocab_size = config.vocab_size
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+        c = config
+        self.mla_dims = MlaDims(heads=c.num_attention_heads, qk_nope_head_dim=c.qk_nope_head_dim,
+                                v_head_dim=c.v_head_dim, rms_norm_eps=c.rms_norm_eps,
+                                index=IndexerDims(n_heads=c.index_n_heads, head_dim=c.index_head_dim,
+                                                  topk=c.index_topk, kpool=c.index_kpool,
+                                                  always_select_tail=c.index_kpool_always_select_tail))
+
+    @torch.no_grad()
+    def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
+        """Run one step; float32 logits [plan.sampled, V]: the last row of each stream that samples, in order."""
+        picked = []
+        for step in plan.streams:
+            x = self.hidden(step, kv)                                          # [T, E]
+            if step.sample:
+                picked.append(self.logits(x[-1:]))                             # [1, V]
+        if not picked:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return torch.cat(picked)
+
+    @torch.no_grad()
+    def forward_all(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
+        """Like forward, but float32 logits for every row of every stream, in plan order: [plan.rows, V]."""
+        return torch.cat([self.logits(self.hidden(step, kv)) for step in plan.streams])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: [N, E] -> float32 [N, V]."""
+        return F.linear(rms_norm(x, self.weights.norm, self.config.rms_norm_eps), self.weights.lm_head).float()
+
+    def hidden(self, step: StreamStep, kv: KvStore) -> torch.Tensor:
+        """One stream's rows through every layer, writing its states: [T, E], the streams' mean before the norm."""
+        c = self.config
+        tokens = torch.tensor(step.tokens, dtype=torch.long, device=self.device)          # [T]
+        streams = expand(self.weights.embed[tokens], c.hc_mult)                           # [T, m, E]
+        selection = None
+        for index, layer in enumerate(self.weights.layers):
+            x, post, comb = hc_pre(layer.attn_hc, streams, c.rms_norm_eps, c.hc_sinkhorn_iters, c.hc_eps)
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            if isinstance(layer.mixer, KdaWeights):
+                out = kimi_delta_attention(layer.mixer, c.linear_num_heads, c.linear_head_dim,
+                                           c.linear_conv_kernel_dim, c.rms_norm_eps, c.linear_lower_bound, h,
+                                           step.start, kv.fixed(index, CONV, step.slot),
+                                           kv.fixed(index, RECURRENT, step.slot))
+                selection = None
+            else:
+                out, selection = mla_attention(layer.mixer, self.mla_dims, h, step.start, kv, index, step.slot,
+                                               selection_in=selection)
+            streams = hc_post(out, streams, post, comb)
+            x, post, comb = hc_pre(layer.ffn_hc, streams, c.rms_norm_eps, c.hc_sinkhorn_iters, c.hc_eps)
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            if isinstance(layer.ffn, MoeWeights):
+                out = moe(layer.ffn, h, c.num_experts_per_tok, c.routed_scaling_factor, c.norm_topk_prob, c.n_group,
+                          c.topk_group, c.swiglu_limit)
+            else:
+                out = swiglu(layer.ffn, h, c.swiglu_limit)
+            streams = hc_post(out, streams, post, comb)
+        return hc_head(streams)                                                           # [T, E]
