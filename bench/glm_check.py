@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-from pathlib import Path
 
 import glm_gpu  # bench/glm_gpu.py
 import gpu
@@ -45,15 +44,9 @@ def ours_logits(hf, config: dict, dtype: torch.dtype, tokens: list[int]) -> torc
 def main() -> None:
     import transformers
     parser = argparse.ArgumentParser(description="GLM bf16 vs fp32: ours and HF's, on the same weights")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=None, help="default: the real vocabulary")
     parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args()
-    gpu.DEVICE = args.device
-    torch.manual_seed(0)
+    args = glm_gpu.parse_args(parser)
     extra = {} if args.vocab is None else {"vocab_size": args.vocab}
     text = transformers.Glm5NextTextConfig(num_hidden_layers=args.layers, n_routed_experts=args.experts,
                                            pad_token_id=0, **extra)

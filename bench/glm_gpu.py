@@ -142,21 +142,28 @@ def check(hf, ours, layout, rows: int) -> dict[str, object]:
             "rows_off": int(((mine - theirs).abs().amax(-1) > 1e-2 * theirs.std()).sum())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="GPU benchmark: our GLM-5.3-Flash vs HF at the real widths")
+def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add the options every GLM bench takes (depth, experts, --out, --device), parse, then set the device and the
+    seed, so the benches build the same model from the same flags."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    gpu.DEVICE = args.device
+    torch.manual_seed(0)
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="GPU benchmark: our GLM-5.3-Flash vs HF at the real widths")
     parser.add_argument("--prefill", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny widths: a CPU smoke run of this script")
-    args = parser.parse_args()
-    gpu.DEVICE = args.device
-    torch.manual_seed(0)
+    args = parse_args(parser)
     bandwidth, peak = hardware(args.out)
     hf, ours, layout, text = build(args.layers, args.experts, torch.bfloat16, args.small)
     shape = f"glm5_next-{args.layers}l-{args.experts}e"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-from pathlib import Path
 
 import glm_gpu  # bench/glm_gpu.py
 import gpu
@@ -60,17 +59,11 @@ def profile(run, repeats: int) -> dict[str, tuple[float, float, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="profile GLM-5.3-Flash prefill and decode by block")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--check-layers", type=int, default=4)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny widths: a CPU smoke run of this script")
-    args = parser.parse_args()
-    gpu.DEVICE = args.device
-    torch.manual_seed(0)
+    args = glm_gpu.parse_args(parser)
     labelled()
     phases(args)
     if gpu.DEVICE == "cuda":

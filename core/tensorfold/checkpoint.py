@@ -1,4 +1,5 @@
-"""An HF-format checkpoint directory: config, generation defaults and lazily read safetensors weights."""
+"""An HF-format checkpoint directory: config, generation defaults and lazily read safetensors weights; the checks
+every family runs on its names and shapes before a model is built from them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ INDEX = "model.safetensors.index.json"
 FLOATS = ("F32", "F16", "BF16")
 STORED_SIZES = {"F64": 8, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 SINGLE = "model.safetensors"
+LISTED = 20                 # names an error lists before it counts the rest
 
 
 class CheckpointError(Exception):
@@ -126,3 +128,64 @@ def _progress(done: int, total: int, shard: str) -> None:
     filled = width * done // max(total, 1)
     sys.stderr.write(f"\rloading weights [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {shard}")
     sys.stderr.flush()
+
+
+def listed(names: Sequence[str]) -> str:
+    """The first LISTED names and how many more: a large checkpoint can miss tens of thousands of experts."""
+    more = f", ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
+
+
+def check_tensor_names(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]], canonical: Callable[[str], str],
+                       ignored: Callable[[str], bool], model: str,
+                       explain_missing: Callable[[list[str]], str | None] | None = None) -> int:
+    """Raise ValueError naming every missing, unexpected or doubled tensor; return how many are ignored.
+
+    Run on `Checkpoint.names()` before any tensor is read, so a wrong checkpoint fails before gigabytes move.
+    `canonical` maps a checkpoint name to the spelling `shapes` uses; `ignored` is asked about that spelling and
+    says which tensors the model does not read; `model` names what an unexpected tensor is not part of;
+    `explain_missing`, given the missing names, may add one sentence after them.
+    """
+    seen: dict[str, str] = {}
+    unexpected, doubled, skips = [], [], 0
+    for name in names:
+        key = canonical(name)
+        if ignored(key):
+            skips += 1
+        elif key not in shapes:
+            unexpected.append(name)
+        elif key in seen:
+            doubled.append(f"{seen[key]} and {name}")
+        else:
+            seen[key] = name
+    problems = []
+    missing = [name for name in shapes if name not in seen]
+    if missing:
+        problems.append(f"missing tensors: {listed(missing)}")
+        explained = explain_missing(missing) if explain_missing else None
+        if explained:
+            problems.append(explained)
+    if unexpected:
+        problems.append(f"unexpected tensors (not part of a {model} with this config): {listed(unexpected)}")
+    if doubled:
+        problems.append(f"tensors given twice: {'; '.join(doubled[:LISTED])}")
+    if problems:
+        raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
+    return skips
+
+
+def expected_tensors(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], canonical: Callable[[str], str],
+                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor `shapes` names, once, under its `canonical` name, shard by shard; ValueError on a wrong shape.
+
+    Names outside `shapes` and second copies are passed over: `check_tensor_names` has refused all but the ignored.
+    """
+    given: set[str] = set()
+    for name, tensor in checkpoint.tensors(progress=progress):
+        key = canonical(name)
+        if key not in shapes or key in given:
+            continue
+        if tuple(tensor.shape) != shapes[key]:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[key]}")
+        given.add(key)
+        yield key, tensor

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from tensorfold.checkpoint import Checkpoint
+from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
 from tensorfold_glm.config import LINEAR, SPARSE, GlmConfig
 from tensorfold_glm.hc import HcWeights
 from tensorfold_glm.indexer import IndexerWeights
@@ -31,16 +31,8 @@ log = logging.getLogger(__name__)
 
 KEPT_FLOAT32 = ("_conv1d.weight", ".conv1d.weight", ".A_log", ".dt_bias", "_base", "_scale", "mlp.gate.weight",
                 "mlp.gate.e_score_correction_bias")
-LISTED = 20                                  # names an error lists before it counts the rest
 
 Get = Callable[[str], torch.Tensor]
-
-
-def listed(names: list[str]) -> str:
-    """The first LISTED names and how many more."""
-    more = f", ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
-    return ", ".join(names[:LISTED]) + more
-
 
 MEMORY_RENAMES = (("self_attn.forget_gate.", "self_attn."), ("attn_hc.", "hc_attn_"), ("ffn_hc.", "hc_ffn_"))
 FUSED_CONV = "self_attn.conv1d.weight"
@@ -83,31 +75,8 @@ def form_shapes(config: GlmConfig, names: list[str]) -> dict[str, tuple[int, ...
 
 def check_names(names: list[str], config: GlmConfig) -> int:
     """Raise ValueError naming every missing, unexpected or doubled tensor; return how many are skipped."""
-    shapes = form_shapes(config, names)
-    seen: dict[str, str] = {}
-    unexpected, doubled, skips = [], [], 0
-    for name in names:
-        known = key(name)
-        if is_ignored(known, config):
-            skips += 1
-        elif known not in shapes:
-            unexpected.append(name)
-        elif known in seen:
-            doubled.append(f"{seen[known]} and {name}")
-        else:
-            seen[known] = name
-    problems = []
-    missing = [name for name in shapes if name not in seen]
-    if missing:
-        problems.append(f"missing tensors: {listed(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (not part of a {config.model_type} with this config): "
-                        f"{listed(unexpected)}")
-    if doubled:
-        problems.append(f"tensors given twice: {'; '.join(doubled[:LISTED])}")
-    if problems:
-        raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
-    return skips
+    return check_tensor_names(names, form_shapes(config, names), key, lambda known: is_ignored(known, config),
+                              model=config.model_type)
 
 
 def target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -124,14 +93,8 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
         log.info("skipped %d tensors the text model does not use (vision tower model.visual.*, MTP layers, "
                  "shared_head, tied lm_head)", skips)
     shapes = form_shapes(config, names)
-    found: dict[str, torch.Tensor] = {}
-    for name, tensor in checkpoint.tensors(progress=progress):
-        known = key(name)
-        if known not in shapes or known in found:
-            continue
-        if tuple(tensor.shape) != shapes[known]:
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[known]}")
-        found[known] = tensor.to(device=device, dtype=target_dtype(known, dtype)).contiguous()
+    found = {known: tensor.to(device=device, dtype=target_dtype(known, dtype)).contiguous()
+             for known, tensor in expected_tensors(checkpoint, shapes, key, progress)}
     return GlmModel(config, build_weights(config, found))
 
 

@@ -7,19 +7,17 @@ import the forward.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
-from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
+from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_glm.config import (
     CONV,
     FULL_INDEXER,
@@ -131,16 +129,8 @@ def family_make_tiny(directory: Path, seed: int) -> None:
 def write_tiny(directory: Path, seed: int, **changes: Any) -> None:
     """A tiny deterministic flat `glm5_next` checkpoint, written without transformers; `changes` replace
     TINY_CONFIG fields (None drops one), e.g. index_topk_pattern or tie_word_embeddings, for tests."""
-    specials = write_tiny_tokenizer(directory, TINY_CONFIG["vocab_size"])
-    config = {**TINY_CONFIG, "bos_token_id": specials["<|endoftext|>"], "eos_token_id": specials["<|im_end|>"],
-              "pad_token_id": specials["<|endoftext|>"], **changes}
-    config = {key: value for key, value in config.items() if value is not None}
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": specials["<|im_end|>"]}, indent=2))
-    shapes = expected_shapes(GlmConfig.from_dict(config))
-    generator = torch.Generator().manual_seed(seed)
-    weights = {name: draw(name, shapes[name], generator) for name in sorted(shapes)}
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = write_tiny_config(directory, TINY_CONFIG, **changes)
+    write_tiny_weights(directory, expected_shapes(GlmConfig.from_dict(config)), draw, seed)
 
 
 def draw(name: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -33,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.testing.kit import every_row, greedy
 from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
 from tensorfold_glm import indexer, plugin
 from tensorfold_glm.config import GlmConfig
@@ -141,23 +141,6 @@ def store(directory: Path, dtype: torch.dtype = torch.float32, paged: bool = Fal
     return kv
 
 
-def every_row(model: GlmModel, kv: KvStore, tokens: list[int], cuts: list[int], slot: int = 0) -> torch.Tensor:
-    """Logits of every position, the prompt run in pieces cut at `cuts`: [len(tokens), V]."""
-    points = [0, *cuts, len(tokens)]
-    pieces = [model.forward_all(StepPlan([StreamStep(slot, a, tokens[a:b])]), kv) for a, b in pairwise(points)]
-    return torch.cat(pieces)
-
-
-def greedy(model: GlmModel, kv: KvStore, tokens: list[int], steps: int = GREEDY, slot: int = 0) -> list[int]:
-    """Prefill in one step, then decode one token per step, as the engine would."""
-    logits = model.forward(StepPlan([StreamStep(slot, 0, tokens)]), kv)
-    out = []
-    for _ in range(steps):
-        out.append(int(logits[0].argmax()))
-        logits = model.forward(StepPlan([StreamStep(slot, len(tokens) + len(out) - 1, [out[-1]])]), kv)
-    return out
-
-
 @contextlib.contextmanager
 def recorded_scores() -> Iterator[list[tuple[torch.Tensor, int]]]:
     """Every (index scores [T, N], start) our full indexers compute while the block runs, in call order."""
@@ -237,6 +220,6 @@ def compare_with_hf(directory: Path, label: str, paged: bool = False, selects: b
     assert diffs["sdpa"] <= tolerance + gap, f"{label}: logits differ from HF sdpa by {diffs['sdpa']:.3e}"
     assert diffs["pieces"] <= tolerance, f"{label}: pieces/decode differ from HF one-shot by {diffs['pieces']:.3e}"
 
-    mine = greedy(model, store(directory, paged=paged), tokens)
+    mine = greedy(model, store(directory, paged=paged), tokens, GREEDY)
     assert mine == hf_tokens, f"{label}: greedy tokens differ from HF:\n ours {mine}\n HF   {hf_tokens}"
     return diffs

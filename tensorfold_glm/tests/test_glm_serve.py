@@ -18,6 +18,7 @@ import pytest
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.plugins import load_families
 from tensorfold.testing.process import serving, tail
+from tensorfold.testing.served import ask, check_chat_and_completions, openai_client, turns
 from tensorfold.tokenizer import ChatTokenizer
 
 openai = pytest.importorskip("openai")
@@ -33,9 +34,6 @@ GATE_SCALE = "0.5"  # messages at half length: histories still cross the 512-row
 LEARN_GRID = ["--family", "glm", "--context", "1024", "--page-rows", "16", "--prefill-chunk", "128",
               "--min-chunk", "16", "--parallel", "2"]
 NO_TIERS = ["--prompt-cache-gib", "0", "--host-cache-gib", "0"]
-SYSTEM = "You are a helpful assistant who answers in full sentences."
-FIRST = "What is the capital of France, and why?"
-SECOND = "Tell me more about its rivers."
 
 
 @pytest.fixture(scope="module")
@@ -62,28 +60,8 @@ def tokenizer(base, cache) -> ChatTokenizer:
     return ChatTokenizer(embedded_checkpoint(load_families(["glm"])["glm"], cache / "tensorfold"))
 
 
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
-
-
 def test_chat_and_completions_on_the_embedded_glm(base):
-    c = client(base)
-    model = c.models.list().data[0].id
-    assert model.startswith("glm-")
-    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello, GLM"}],
-                                     max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    assert chat.usage.completion_tokens == 8 and chat.choices[0].finish_reason == "length"
-    again = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello, GLM"}],
-                                      max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    assert again.choices[0].message.content == chat.choices[0].message.content
-    done = c.completions.create(model=model, prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
-                                extra_body={"return_token_ids": True, "ignore_eos": True})
-    assert len(done.choices[0].token_ids) == 6 and done.usage.prompt_tokens == 5
-    chunks = list(c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Stream it"}],
-                                            max_tokens=5, temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
-    assert chunks[-1].usage.completion_tokens == 5
+    assert check_chat_and_completions(base, "Hello, GLM").startswith("glm-")
 
 
 def test_an_image_is_refused_by_name(base):
@@ -94,7 +72,7 @@ def test_an_image_is_refused_by_name(base):
     error = reply.json()["error"]
     assert "image" in error["message"] and error["param"] == "messages[0].content[1]"
     with pytest.raises(openai.BadRequestError, match="image"):
-        client(base).chat.completions.create(model="m", max_tokens=4, messages=[
+        openai_client(base).chat.completions.create(model="m", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
 
 
@@ -135,22 +113,6 @@ def test_the_reuse_gate_passes(base, cache, tmp_path):
 
 
 # -- the disk tier: a state written at SIGTERM, read by a new server process ------------------------------------
-
-
-def ask(url: str, messages: list[dict]) -> dict:
-    """One seeded chat turn of 8 tokens, with its token ids: the reply's JSON."""
-    reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                       json={"messages": messages, "max_tokens": 8, "temperature": 0.7, "seed": 3,
-                             "return_token_ids": True})
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def turns(first: dict | None) -> tuple[list[dict], list[dict]]:
-    """The conversation's first turn, and its second with the first reply in it."""
-    one = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
-    said = first["choices"][0]["message"]["content"] if first else ""
-    return one, [*one, {"role": "assistant", "content": said}, {"role": "user", "content": SECOND}]
 
 
 def learn_args(root: Path) -> list[str]:

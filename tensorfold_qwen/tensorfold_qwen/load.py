@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from tensorfold.checkpoint import Checkpoint
+from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.config import FULL, QwenConfig
 from tensorfold_qwen.gdn import GdnWeights
@@ -31,7 +31,6 @@ NESTED = "model.language_model."
 SKIPPED = ("model.visual.", "mtp.")          # the vision tower and the MTP head: not part of the text model
 PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
-LISTED = 20                                  # names an error lists before it counts the rest
 
 
 def attention_shapes(c: QwenConfig) -> dict[str, tuple[int, ...]]:
@@ -111,12 +110,6 @@ def skipped(name: str, config: QwenConfig) -> bool:
     return name.startswith(SKIPPED) or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def listed(names: list[str]) -> str:
-    """The first LISTED names and how many more (a 35B checkpoint can miss tens of thousands of experts)."""
-    more = f", ... and {len(names) - LISTED} more" if len(names) > LISTED else ""
-    return ", ".join(names[:LISTED]) + more
-
-
 def fused_experts(names: list[str], config: QwenConfig) -> bool:
     """Whether the checkpoint holds its experts fused (`mlp.experts.gate_up_proj`, `down_proj`) rather than per
     expert; ValueError when it holds both forms."""
@@ -132,36 +125,17 @@ def fused_experts(names: list[str], config: QwenConfig) -> bool:
 
 def check_names(names: list[str], config: QwenConfig, fused: bool = False) -> int:
     """Raise ValueError naming every missing, unexpected or doubled tensor; return how many are skipped."""
-    shapes = expected_shapes(config, fused)
-    seen: dict[str, str] = {}
-    unexpected, doubled, skips = [], [], 0
-    for name in names:
-        key = canonical(name)
-        if skipped(key, config):
-            skips += 1
-        elif key not in shapes:
-            unexpected.append(name)
-        elif key in seen:
-            doubled.append(f"{seen[key]} and {name}")
-        else:
-            seen[key] = name
-    missing = [name for name in shapes if name not in seen]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {listed(missing)}")
-        if any(".mlp.experts." in name for name in missing):
-            form = "fused" if fused else "per-expert"
-            problems.append(f"experts are read in the {form} form this checkpoint uses: "
-                            + ("mlp.experts.gate_up_proj [N, 2F, E] and mlp.experts.down_proj [N, E, F] per layer"
-                               if fused else "mlp.experts.{e}.{gate,up,down}_proj.weight for every e < num_experts"))
-    if unexpected:
-        problems.append(f"unexpected tensors (not part of a {config.model_type} with this config): "
-                        f"{listed(unexpected)}")
-    if doubled:
-        problems.append(f"tensors given twice: {'; '.join(doubled[:LISTED])}")
-    if problems:
-        raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
-    return skips
+
+    def expert_form(missing: list[str]) -> str | None:
+        """Which expert form was read, when experts are missing: the other form's names would be unexpected."""
+        if not any(".mlp.experts." in name for name in missing):
+            return None
+        return (f"experts are read in the {'fused' if fused else 'per-expert'} form this checkpoint uses: "
+                + ("mlp.experts.gate_up_proj [N, 2F, E] and mlp.experts.down_proj [N, E, F] per layer"
+                   if fused else "mlp.experts.{e}.{gate,up,down}_proj.weight for every e < num_experts"))
+
+    return check_tensor_names(names, expected_shapes(config, fused), canonical, lambda key: skipped(key, config),
+                              model=config.model_type, explain_missing=expert_form)
 
 
 def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> QwenModel:
@@ -174,14 +148,8 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
         log.info("skipped %d tensors the text model does not use (vision tower model.visual.*, MTP head mtp.*, "
                  "tied lm_head)", skips)
     shapes = expected_shapes(config, fused)
-    found: dict[str, torch.Tensor] = {}
-    for name, tensor in checkpoint.tensors(progress=progress):
-        key = canonical(name)
-        if key not in shapes or key in found:
-            continue  # skipped (vision, MTP, tied lm_head); check_names has refused everything else
-        if tuple(tensor.shape) != shapes[key]:
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[key]}")
-        found[key] = tensor.to(device=device, dtype=dtype).contiguous()     # no copy when it already fits
+    found = {key: tensor.to(device=device, dtype=dtype).contiguous()           # no copy when it already fits
+             for key, tensor in expected_tensors(checkpoint, shapes, canonical, progress)}
     return QwenModel(config, build_weights(config, found))
 
 

@@ -5,13 +5,11 @@ Registered by the entry point `qwen = "tensorfold_qwen.plugin"` in group `tensor
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
@@ -19,7 +17,7 @@ from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
-from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
+from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_qwen import load as loader
 from tensorfold_qwen.config import FULL, MODEL_TYPES, SERVED_DTYPES, QwenConfig, unsupported
 from tensorfold_qwen.model import CONV, KEYS, RECURRENT, VALUES, QwenModel
@@ -91,16 +89,8 @@ def family_make_tiny(directory: Path, seed: int) -> None:
 
 def write_tiny(directory: Path, seed: int, moe: bool = False) -> None:
     """A tiny deterministic Qwen3.5 text checkpoint (dense `qwen3_5_text`, or `qwen3_5_moe_text` with moe)."""
-    specials = write_tiny_tokenizer(directory, TINY_CONFIG["vocab_size"])
-    config = {**TINY_CONFIG, **(TINY_MOE_CHANGES if moe else {}), "bos_token_id": specials["<|endoftext|>"],
-              "eos_token_id": specials["<|im_end|>"], "pad_token_id": specials["<|endoftext|>"]}
-    config = {key: value for key, value in config.items() if value is not None}
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": specials["<|im_end|>"]}, indent=2))
-    shapes = loader.expected_shapes(QwenConfig.from_dict(config))
-    generator = torch.Generator().manual_seed(seed)
-    weights = {name: draw(name, shapes[name], generator) for name in sorted(shapes)}
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = write_tiny_config(directory, {**TINY_CONFIG, **(TINY_MOE_CHANGES if moe else {})})
+    write_tiny_weights(directory, loader.expected_shapes(QwenConfig.from_dict(config)), draw, seed)
 
 
 def draw(name: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:

@@ -16,7 +16,6 @@ the family's own rule (`plugin.draw`).
 
 from __future__ import annotations
 
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.kv import KvStore, WindowStore
-from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.testing.kit import every_row, greedy
 from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
 from tensorfold_qwen import plugin
 from tensorfold_qwen.load import load
@@ -122,23 +121,6 @@ def store(directory: Path, dtype: torch.dtype = torch.float32, slots: int = 2,
     """Memory as the engine would hold it, from the family's own Layout for this checkpoint, poisoned."""
     layout = plugin.family_kv_layout(config=Checkpoint(directory).config, dtype=dtype)
     return WindowStore(layout, slots, capacity, poison=True)
-
-
-def every_row(model: QwenModel, kv: KvStore, tokens: list[int], cuts: list[int], slot: int = 0) -> torch.Tensor:
-    """Logits of every position, the prompt run in pieces cut at `cuts`: [len(tokens), V]."""
-    points = [0, *cuts, len(tokens)]
-    pieces = [model.forward_all(StepPlan([StreamStep(slot, a, tokens[a:b])]), kv) for a, b in pairwise(points)]
-    return torch.cat(pieces)
-
-
-def greedy(model: QwenModel, kv: KvStore, tokens: list[int], steps: int, slot: int = 0) -> list[int]:
-    """Prefill in one step, then decode one token per step, as the engine would."""
-    logits = model.forward(StepPlan([StreamStep(slot, 0, tokens)]), kv)
-    out = []
-    for _ in range(steps):
-        out.append(int(logits[0].argmax()))
-        logits = model.forward(StepPlan([StreamStep(slot, len(tokens) + len(out) - 1, [out[-1]])]), kv)
-    return out
 
 
 def compare_with_hf(directory: Path, label: str, tolerance: float = 1e-4) -> float:

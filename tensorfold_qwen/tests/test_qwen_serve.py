@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from tensorfold.cli import app
 from tensorfold.testing.process import serving, tail
+from tensorfold.testing.served import check_chat_and_completions, openai_client
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -25,31 +26,12 @@ def base(tmp_path_factory):
     assert "wrote the embedded default of family qwen" in tail(log)
 
 
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
-
-
 def test_chat_and_completions_on_the_embedded_qwen(base):
-    c = client(base)
-    model = c.models.list().data[0].id
-    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello, Qwen"}],
-                                     max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    assert chat.usage.completion_tokens == 8 and chat.choices[0].finish_reason == "length"
-    again = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello, Qwen"}],
-                                      max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    assert again.choices[0].message.content == chat.choices[0].message.content
-    done = c.completions.create(model=model, prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
-                                extra_body={"return_token_ids": True, "ignore_eos": True})
-    assert len(done.choices[0].token_ids) == 6 and done.usage.prompt_tokens == 5
-    chunks = list(c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Stream it"}],
-                                            max_tokens=5, temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
-    assert chunks[-1].usage.completion_tokens == 5
+    check_chat_and_completions(base, "Hello, Qwen")
 
 
 def test_an_image_is_refused_by_name(base):
-    c = client(base)
+    c = openai_client(base)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError, match="image"):
         c.chat.completions.create(model="m", max_tokens=4, messages=[

@@ -10,11 +10,9 @@ from pathlib import Path
 import httpx
 
 from tensorfold.testing.process import serving
+from tensorfold.testing.served import FIRST, SECOND, SYSTEM, ask, turns
 from tensorfold.tokenizer import ChatTokenizer
 
-SYSTEM = "You are a helpful assistant who answers in full sentences."
-FIRST = "What is the capital of France, and why?"
-SECOND = "Tell me more about its rivers."
 FILLER = [{"role": "system", "content": "You are a patient tutor. " * 6},
           {"role": "user", "content": "Tell me everything about rivers. " * 9}]
 GRID = ["--context", "1024", "--page-rows", "16", "--prefill-chunk", "128", "--min-chunk", "16", "--parallel", "2"]
@@ -33,15 +31,6 @@ def serve_args(model: Path, *extra: str) -> list[str]:
 def learn_args(root: Path) -> list[str]:
     """The disk tier on `root`, with no free-space floor (a test machine's disk may be nearly full)."""
     return ["--learn-conversations", "--learn-dir", str(root), "--learn-min-free-gib", "0"]
-
-
-def ask(url: str, messages: list[dict]) -> dict:
-    """One seeded chat turn of 8 tokens, with its token ids: the reply's JSON."""
-    reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                       json={"messages": messages, "max_tokens": 8, "temperature": 0.7, "seed": 3,
-                             "return_token_ids": True})
-    assert reply.status_code == 200, reply.text
-    return reply.json()
 
 
 def sample(metrics: str, name: str) -> float:
@@ -76,19 +65,10 @@ def settled(url: str) -> dict:
         time.sleep(0.05)
 
 
-def turns(first: dict, system: str = SYSTEM, question: str = FIRST,
-          more: str = SECOND) -> tuple[list[dict], list[dict]]:
-    """A conversation's first turn, and its second with the first reply in it."""
-    one = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    two = [*one, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-           {"role": "user", "content": more}]
-    return one, two
-
-
 def fresh_conversation(url: str, tokenizer: ChatTokenizer, system: str = SYSTEM, question: str = FIRST,
                        more: str = SECOND) -> dict:
     """On a server that keeps nothing: a conversation's two turns, and where its first turn's history ends."""
-    one, _ = turns({"choices": [{"message": {"content": ""}}]}, system, question, more)
+    one, _ = turns(None, system, question, more)
     first = ask(url, one)
     two = turns(first, system, question, more)[1]
     second = ask(url, two)

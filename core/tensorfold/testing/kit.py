@@ -2,7 +2,8 @@
 
 Each check raises AssertionError with the numbers when the family breaks a contract, and returns what it
 measured so a test can print it. The kit drives the family exactly as the engine does: StepPlans on the
-absolute grid, memory through a KvStore (poisoned, so a read of an unwritten row shows up as NaN).
+absolute grid, memory through a KvStore (poisoned, so a read of an unwritten row shows up as NaN). `every_row` and
+`greedy` drive a bare model the same way, for comparing it with a reference such as HF transformers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import torch
@@ -85,6 +87,32 @@ def decode(subject: Subject, kv: KvStore, slot: int, logits: torch.Tensor, posit
 def _pieces(start: int, end: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
     points = [start] + [c for c in sorted(cuts) if start < c < end] + [end]
     return list(itertools.pairwise(points))
+
+
+class EveryRowModel(FamilyModel, Protocol):
+    """A model that also offers `forward_all(plan, kv)`: float32 logits for every row, for tests against a
+    reference (the engine calls only `forward`)."""
+
+    def forward_all(self, plan: StepPlan, kv: KvStore) -> torch.Tensor: ...
+
+
+def every_row(model: EveryRowModel, kv: KvStore, tokens: Sequence[int], cuts: Sequence[int],
+              slot: int = 0) -> torch.Tensor:
+    """Logits of every position, the prompt run in pieces cut at `cuts`: [len(tokens), V]."""
+    points = [0, *cuts, len(tokens)]
+    pieces = [model.forward_all(StepPlan([StreamStep(slot, a, tokens[a:b])]), kv)
+              for a, b in itertools.pairwise(points)]
+    return torch.cat(pieces)
+
+
+def greedy(model: FamilyModel, kv: KvStore, tokens: Sequence[int], steps: int, slot: int = 0) -> list[int]:
+    """Prefill in one step, then decode one token per step, as the engine would: the `steps` greedy tokens."""
+    logits = model.forward(StepPlan([StreamStep(slot, 0, tokens)]), kv)
+    out: list[int] = []
+    for _ in range(steps):
+        out.append(int(logits[0].argmax()))
+        logits = model.forward(StepPlan([StreamStep(slot, len(tokens) + len(out) - 1, [out[-1]])]), kv)
+    return out
 
 
 def check_declarations(family: Family, directory: Path, dtype: torch.dtype = torch.float32) -> Declarations:

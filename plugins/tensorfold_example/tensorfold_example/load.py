@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorfold.checkpoint import Checkpoint
+from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
 from tensorfold_example.model import ExampleConfig, ExampleModel, LayerWeights, Weights
 
 NESTED = "model.language_model."
@@ -70,31 +70,15 @@ def canonical(name: str) -> str:
     return "model." + name[len(NESTED):] if name.startswith(NESTED) else name
 
 
-def check_names(names: list[str], config: ExampleConfig) -> None:
-    """Raise ValueError naming every missing, unexpected or doubled tensor; an lm_head is ignored when tied."""
-    shapes = expected_shapes(config)
-    seen: dict[str, str] = {}
-    unexpected, doubled = [], []
-    for name in names:
-        key = canonical(name)
-        if key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
-            continue
-        if key not in shapes:
-            unexpected.append(name)
-        elif key in seen:
-            doubled.append(f"{seen[key]} and {name}")
-        else:
-            seen[key] = name
-    missing = [name for name in shapes if name not in seen]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors (not part of a dense qwen3 with this config): {', '.join(unexpected)}")
-    if doubled:
-        problems.append(f"tensors given twice: {'; '.join(doubled)}")
-    if problems:
-        raise ValueError("the checkpoint does not match its config.json: " + "; ".join(problems))
+def ignored(key: str, config: ExampleConfig) -> bool:
+    """Tensors the model does not read: an old rotary buffer, and an lm_head when the embedding is tied."""
+    return key.endswith(IGNORED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def check_names(names: list[str], config: ExampleConfig) -> int:
+    """Raise ValueError naming every missing, unexpected or doubled tensor; return how many are ignored."""
+    return check_tensor_names(names, expected_shapes(config), canonical, lambda key: ignored(key, config),
+                              model="dense qwen3")
 
 
 def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> ExampleModel:
@@ -102,14 +86,8 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
     config = ExampleConfig.from_dict(checkpoint.config)
     check_names(checkpoint.names(), config)
     shapes = expected_shapes(config)
-    found: dict[str, torch.Tensor] = {}
-    for name, tensor in checkpoint.tensors(progress=progress):
-        key = canonical(name)
-        if key not in shapes or key in found:
-            continue  # ignored (tied lm_head, an old buffer); check_names has refused everything else
-        if tuple(tensor.shape) != shapes[key]:
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config needs {shapes[key]}")
-        found[key] = tensor.to(device=device, dtype=dtype).contiguous()
+    found = {key: tensor.to(device=device, dtype=dtype).contiguous()
+             for key, tensor in expected_tensors(checkpoint, shapes, canonical, progress)}
     return ExampleModel(config, build_weights(config, found))
 
 

@@ -5,20 +5,18 @@ Registered by the entry point `example = "tensorfold_example.plugin"` in group `
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.layout import LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
-from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
+from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_example import load as loader
 from tensorfold_example.model import ExampleConfig, ExampleModel, rope_parameters
 
@@ -70,31 +68,21 @@ def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
 @hookimpl
 def family_make_tiny(directory: Path, seed: int) -> None:
     directory = Path(directory)
-    specials = write_tiny_tokenizer(directory, TINY_CONFIG["vocab_size"])
-    config = {**TINY_CONFIG, "bos_token_id": specials["<|endoftext|>"], "eos_token_id": specials["<|im_end|>"],
-              "pad_token_id": specials["<|endoftext|>"]}
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": specials["<|im_end|>"]}, indent=2))
-    shapes = loader.expected_shapes(ExampleConfig.from_dict(config))
-    save_file(draw_weights(shapes, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = write_tiny_config(directory, TINY_CONFIG)
+    write_tiny_weights(directory, loader.expected_shapes(ExampleConfig.from_dict(config)), draw, seed)
 
 
-def draw_weights(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic float32 weights: matrices N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1).
+def draw(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """One deterministic float32 weight: matrices N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1).
 
     Unit-variance activations keep the tiny model's logits far from flat, so greedy decoding is not a coin toss.
     """
-    generator = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name in sorted(shapes):
-        noise = torch.randn(shapes[name], generator=generator, dtype=torch.float32)
-        if len(shapes[name]) == 2:
-            weights[name] = noise * shapes[name][1] ** -0.5
-        elif name.endswith(".bias"):
-            weights[name] = noise * 0.1
-        else:
-            weights[name] = 1.0 + noise * 0.1
-    return weights
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    if len(shape) == 2:
+        return noise * shape[1] ** -0.5
+    if name.endswith(".bias"):
+        return noise * 0.1
+    return 1.0 + noise * 0.1
 
 
 # ---------------------------------------------------------------- memory and kept states

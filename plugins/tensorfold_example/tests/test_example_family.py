@@ -1,14 +1,13 @@
 """The example family against HF transformers (the oracle), through its real entry point, and against itself.
 
-transformers is imported lazily, after each test has moved into its own tmp_path: HF probes optional packages
-with importlib, so a folder named like one (`fla`, ...) in the working directory would fool it.
+transformers is imported lazily, after each test has moved into its own tmp_path (conftest.py): HF probes optional
+packages with importlib, so a folder named like one (`fla`, ...) in the working directory would fool it.
 Run `pytest -s plugins/tensorfold_example` to see the measured differences.
 """
 
 from __future__ import annotations
 
 import json
-from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.kv import KvStore, WindowStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.settings import Settings
+from tensorfold.testing.kit import every_row, greedy
 from tensorfold.testing.tiny_tokenizer import write_tiny_tokenizer
 from tensorfold_example import plugin
 from tensorfold_example.load import load
@@ -40,11 +40,6 @@ CONFIGS = {
     "gqa4-h8-tied": dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                          tie_word_embeddings=True, rope_theta=1000.0, attention_bias=True),
 }
-
-
-@pytest.fixture(autouse=True)
-def _own_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
 
 
 # ---------------------------------------------------------------- the oracle
@@ -103,23 +98,6 @@ def store(directory: Path, dtype: torch.dtype = torch.float32, slots: int = 2,
     """Memory as the engine would hold it, from the family's own Layout for this checkpoint."""
     layout = plugin.family_kv_layout(config=Checkpoint(directory).config, dtype=dtype)
     return WindowStore(layout, slots, capacity, poison=True)   # NaN in unwritten rows: a wrong read shows up
-
-
-def every_row(model: ExampleModel, kv: KvStore, tokens: list[int], cuts: list[int], slot: int = 0) -> torch.Tensor:
-    """Logits of every position, the prompt run in pieces cut at `cuts`: [len(tokens), V]."""
-    points = [0, *cuts, len(tokens)]
-    pieces = [model.forward_all(StepPlan([StreamStep(slot, a, tokens[a:b])]), kv) for a, b in pairwise(points)]
-    return torch.cat(pieces)
-
-
-def greedy(model: ExampleModel, kv: KvStore, tokens: list[int], steps: int, slot: int = 0) -> list[int]:
-    """Prefill in one step, then decode one token per step, as the engine would."""
-    logits = model.forward(StepPlan([StreamStep(slot, 0, tokens)]), kv)
-    out = []
-    for _ in range(steps):
-        out.append(int(logits[0].argmax()))
-        logits = model.forward(StepPlan([StreamStep(slot, len(tokens) + len(out) - 1, [out[-1]])]), kv)
-    return out
 
 
 def compare_with_hf(directory: Path, label: str) -> float:

@@ -11,12 +11,10 @@ $OUT/gdn-tests.jsonl.
 
 from __future__ import annotations
 
-import builtins
-import sys
-
+import delta_rule_cases
 import pytest
 import torch
-from gdn_cases import CUDA, HAS_FLA, kept_state, l2, qwen_prepared, relative, rows, worst
+from gdn_cases import kept_state, l2, qwen_prepared, relative, rows, worst
 
 from tensorfold.kernels import gated_delta
 from tensorfold.kernels.gated_delta import fla_backend, naive
@@ -153,46 +151,29 @@ def test_without_fla_cuda_falls_back_to_ours(monkeypatch):
 
 
 CHUNK_MISTAKES = {
-    "k shape": lambda a: a.update(k=a["k"][:, :1]),
+    **delta_rule_cases.CHUNK_MISTAKES,
     "heads": lambda a: a.update(v=torch.randn(6, 3, 8)),
-    "g dtype": lambda a: a.update(g=a["g"].bfloat16()),
     "g shape": lambda a: a.update(g=a["g"][:, :2]),
-    "mixed dtype": lambda a: a.update(v=a["v"].double()),
-    "cu_seqlens": lambda a: a.update(cu_seqlens=[0, 4, 5]),
-    "starts": lambda a: a.update(cu_seqlens=[0, 2, 6], starts=[0]),
     "state dtype": lambda a: a.update(initial_state=kept_state(1, 4, 8, 8)[0].bfloat16()),
     "state shape": lambda a: a.update(initial_state=kept_state(3, 4, 8, 8)),
     "batched state for one stream": lambda a: a.update(initial_state=kept_state(1, 4, 8, 8)),
-    "start with cu_seqlens": lambda a: a.update(cu_seqlens=[0, 6], start=3),
-    "starts without cu_seqlens": lambda a: a.update(starts=[3]),
-    "negative start": lambda a: a.update(start=-1),
     "backend": lambda a: a.update(backend="cuda-magic"),
 }
-STEP_MISTAKES = {
-    "duplicate slots": lambda a: a.update(slots=[0, 1, 1]),
-    "slot range": lambda a: a.update(slots=[0, 1, 4]),
-    "slot count": lambda a: a.update(slots=[0, 1]),
-    "pool dtype": lambda a: a.update(states=a["states"].double()),
-    "pool layout": lambda a: a.update(states=a["states"].transpose(-1, -2)),
-}
+STEP_MISTAKES = delta_rule_cases.STEP_MISTAKES
 
 
 @pytest.mark.parametrize("mistake", sorted(CHUNK_MISTAKES))
 def test_chunk_refuses_bad_inputs(mistake):
     q, k, v, g, beta = rows(6, 2, 4, 8, 8)
-    args = dict(q=q, k=k, v=v, g=g, beta=beta)
-    CHUNK_MISTAKES[mistake](args)
-    with pytest.raises(ValueError):
-        gated_delta.chunk_gated_delta(**args)
+    delta_rule_cases.assert_refused(gated_delta.chunk_gated_delta, CHUNK_MISTAKES[mistake], q=q, k=k, v=v, g=g,
+                                    beta=beta)
 
 
 @pytest.mark.parametrize("mistake", sorted(STEP_MISTAKES))
 def test_step_refuses_bad_inputs(mistake):
     q, k, v, g, beta = rows(3, 2, 4, 8, 8)
-    args = dict(q=q, k=k, v=v, g=g, beta=beta, states=kept_state(4, 4, 8, 8), slots=[0, 1, 2])
-    STEP_MISTAKES[mistake](args)
-    with pytest.raises(ValueError):
-        gated_delta.recurrent_gated_delta_step(**args)
+    delta_rule_cases.assert_refused(gated_delta.recurrent_gated_delta_step, STEP_MISTAKES[mistake], q=q, k=k, v=v,
+                                    g=g, beta=beta, states=kept_state(4, 4, 8, 8), slots=[0, 1, 2])
 
 
 # ---------------------------------------------------------------- triton: our fused decode step
@@ -252,56 +233,12 @@ def test_triton_step_through_dispatch(device):
 # ---------------------------------------------------------------- fla in the interpreter (CPU): the adapter's glue
 
 
-@pytest.fixture
-def fla_interpreted(monkeypatch):
-    """fla's kernels in triton's interpreter. fla targets the compiler, so three shims, undone after the test: a
-    size-1 scalar converts to int; autotuning takes the first config (it cannot time anything); a kernel's
-    `range` over a runtime count yields tensors, as the compiler's does."""
-    if CUDA:
-        pytest.skip("the GPU tests run fla itself")
-    if not HAS_FLA:
-        pytest.skip("fla-core is not installed")
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-    from triton.runtime import autotuner
-    if not hasattr(interpreter, "_patch_lang_tensor") or not hasattr(interpreter, "TensorHandle"):
-        pytest.skip("this triton's interpreter lacks the hooks the shims use")
-    original_patch, original_run = interpreter._patch_lang_tensor, autotuner.Autotuner.run
-
-    def patch_lang_tensor(tensor, scope):
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def first_config(self, *args, **kwargs):
-        configs, self.configs = self.configs, self.configs[:1]
-        try:
-            return original_run(self, *args, **kwargs)
-        finally:
-            self.configs = configs
-
-    def kernel_range(*bounds):
-        if not any(hasattr(b, "handle") for b in bounds):
-            yield from builtins.range(*bounds)
-            return
-        ints = [int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds]
-        for i in builtins.range(*ints):
-            yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-    monkeypatch.setattr(autotuner.Autotuner, "run", first_config)
-    if not fla_backend.available():
-        pytest.skip("fla-core does not import here")
-    for name, module in list(sys.modules.items()):
-        if name.startswith("fla.ops.") and not name.endswith(".naive"):
-            monkeypatch.setattr(module, "range", kernel_range, raising=False)
-
-
 @pytest.mark.triton
 def test_fla_adapter_in_the_interpreter(fla_interpreted):
     """Layout, g, scale, l2norm, states in and out, slots, zero-row alignment: fla's chunked and recurrent ops
     through the adapter agree with the naive ones (the interpreter computes dots in plain float32), and a stream's
     bits are the same alone and inside a varlen batch."""
+    fla_interpreted(fla_backend)
     NK, NV, DK, DV = 1, 2, 32, 16
     cu, starts = [0, 70, 75, 75, 205], [0, 37, 5, 100]
     q, k, v, g, beta = rows(cu[-1], NK, NV, DK, DV, seed=11)

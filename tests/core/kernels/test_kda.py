@@ -4,19 +4,22 @@ The naive ops against HF glm5_next's torch functions (`chunk_kimi_delta_attentio
 `recurrent_kimi_delta_attention`, `Glm5NextTextForgetGate`): the decode step and the gate bit for bit, the chunked
 form within 1e-5 of HF's chunked form relative to the output scale (measured about 1e-7); a prefill split on the
 absolute grid of 64 equals the one-shot prefill bit for bit; strong decays (the -5 lower bound, and -50 per step)
-stay finite and equal to the recurrence; the public functions validate and dispatch. Run with -s to see the
-measured differences (`KDA {...}` lines).
+stay finite and equal to the recurrence; the public functions validate and dispatch. With fla-core installed (and no
+CUDA), the fla adapter's glue against the naive ops in triton's interpreter (marked `triton`); the GPU questions are
+test_kda_gpu.py's. Run with -s to see the measured differences (`KDA {...}` lines).
 """
 
 from __future__ import annotations
 
 import json
 
+import delta_rule_cases
 import pytest
 import torch
+from kda_cases import kept_state, l2, relative, rows, worst
 
 from tensorfold.kernels import kda
-from tensorfold.kernels.kda import naive
+from tensorfold.kernels.kda import fla_backend, naive
 
 
 def report(**record: object) -> None:
@@ -28,35 +31,6 @@ def hf():
     """HF's glm5_next module (imported lazily: transformers is a test-only dependency)."""
     from transformers.models.glm5_next import modeling_glm5_next
     return modeling_glm5_next
-
-
-def rows(T: int, H: int, DK: int, DV: int, seed: int = 0, bound: float = -5.0,
-         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    """Unit-scale raw q, k, v [T, H, D]; g = bound·sigmoid(2·N(0,1)) [T, H, DK] float32 (GLM's safe gate: with
-    its bound -5, per-step decays down to -5; a mild bound lets a kept state matter); beta = sigmoid(N(0,1))."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, H, DK, generator=gen)
-    k = torch.randn(T, H, DK, generator=gen)
-    v = torch.randn(T, H, DV, generator=gen)
-    g = bound * torch.sigmoid(2.0 * torch.randn(T, H, DK, generator=gen))
-    beta = torch.sigmoid(torch.randn(T, H, generator=gen))
-    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)
-
-
-def kept_state(N: int, H: int, DK: int, DV: int, seed: int = 1) -> torch.Tensor:
-    """A state such as a stream keeps after some tokens: modest entries, float32."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(N, H, DK, DV, generator=gen) * 0.2
-
-
-def l2(DK: int) -> dict:
-    """Raw q, k: l2-normalised in the op, q scaled by DK^-0.5 (HF's 1/sqrt(DK))."""
-    return {"scale": 1 / DK ** 0.5, "qk_l2norm": True}
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over max |b|."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def hf_chunk(q, k, v, g, beta, state):
@@ -168,15 +142,15 @@ def test_split_anywhere_is_one_shot_within_rounding():
     T, H, DK, DV = 200, 2, 16, 16
     q, k, v, g, beta = rows(T, H, DK, DV, seed=6, bound=-0.05)
     one, one_final = naive.chunk_kda(q, k, v, g, beta, **l2(DK))
-    worst = 0.0
+    largest = 0.0
     for cuts in ([0, 30, T], [0, 1, 77, 78, 150, T]):
         outs, kept = [], None
         for a, b in zip(cuts, cuts[1:], strict=False):
             out, kept = naive.chunk_kda(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], kept, a, **l2(DK))
             outs.append(out)
-        worst = max(worst, relative(torch.cat(outs), one), relative(kept, one_final))
-    report(test="split_anywhere", relative=worst)
-    assert worst < 1e-5
+        largest = max(largest, relative(torch.cat(outs), one), relative(kept, one_final))
+    report(test="split_anywhere", relative=largest)
+    assert largest < 1e-5
 
 
 @pytest.mark.parametrize("per_step", [-5.0, -50.0, -1e-4])
@@ -274,29 +248,18 @@ def test_public_functions_are_the_naive_ones_bitwise():
 
 
 CHUNK_MISTAKES = {
-    "k shape": lambda a: a.update(k=a["k"][:, :1]),
+    **delta_rule_cases.CHUNK_MISTAKES,
     "v heads": lambda a: a.update(v=torch.randn(6, 3, 8)),
     "g per head only": lambda a: a.update(g=a["g"][..., 0]),
-    "g dtype": lambda a: a.update(g=a["g"].bfloat16()),
     "beta shape": lambda a: a.update(beta=a["beta"][:, :1]),
-    "mixed dtype": lambda a: a.update(v=a["v"].double()),
-    "cu_seqlens": lambda a: a.update(cu_seqlens=[0, 4, 5]),
-    "starts": lambda a: a.update(cu_seqlens=[0, 2, 6], starts=[0]),
     "state dtype": lambda a: a.update(initial_state=kept_state(1, 2, 8, 8)[0].bfloat16()),
     "state shape": lambda a: a.update(initial_state=kept_state(1, 2, 8, 4)[0]),
     "batched state for one stream": lambda a: a.update(initial_state=kept_state(1, 2, 8, 8)),
-    "start with cu_seqlens": lambda a: a.update(cu_seqlens=[0, 6], start=3),
-    "starts without cu_seqlens": lambda a: a.update(starts=[3]),
-    "negative start": lambda a: a.update(start=-1),
     "backend": lambda a: a.update(backend="fla"),
 }
 STEP_MISTAKES = {
-    "duplicate slots": lambda a: a.update(slots=[0, 1, 1]),
-    "slot range": lambda a: a.update(slots=[0, 1, 4]),
-    "slot count": lambda a: a.update(slots=[0, 1]),
+    **delta_rule_cases.STEP_MISTAKES,
     "slot tensor dtype": lambda a: a.update(slots=torch.tensor([0.0, 1.0, 2.0])),
-    "pool dtype": lambda a: a.update(states=a["states"].double()),
-    "pool layout": lambda a: a.update(states=a["states"].transpose(-1, -2)),
     "g per head only": lambda a: a.update(g=a["g"][..., 0]),
 }
 
@@ -304,16 +267,46 @@ STEP_MISTAKES = {
 @pytest.mark.parametrize("mistake", sorted(CHUNK_MISTAKES))
 def test_chunk_refuses_bad_inputs(mistake):
     q, k, v, g, beta = rows(6, 2, 8, 8)
-    args = dict(q=q, k=k, v=v, g=g, beta=beta)
-    CHUNK_MISTAKES[mistake](args)
-    with pytest.raises(ValueError):
-        kda.chunk_kda(**args)
+    delta_rule_cases.assert_refused(kda.chunk_kda, CHUNK_MISTAKES[mistake], q=q, k=k, v=v, g=g, beta=beta)
 
 
 @pytest.mark.parametrize("mistake", sorted(STEP_MISTAKES))
 def test_step_refuses_bad_inputs(mistake):
     q, k, v, g, beta = rows(3, 2, 8, 8)
-    args = dict(q=q, k=k, v=v, g=g, beta=beta, states=kept_state(4, 2, 8, 8), slots=[0, 1, 2])
-    STEP_MISTAKES[mistake](args)
-    with pytest.raises(ValueError):
-        kda.recurrent_kda_step(**args)
+    delta_rule_cases.assert_refused(kda.recurrent_kda_step, STEP_MISTAKES[mistake], q=q, k=k, v=v, g=g, beta=beta,
+                                    states=kept_state(4, 2, 8, 8), slots=[0, 1, 2])
+
+
+# ---------------------------------------------------------------- fla in the interpreter (CPU): the adapter's glue
+
+
+@pytest.mark.triton
+def test_fla_adapter_in_the_interpreter(fla_interpreted):
+    """Layout, g, scale, l2norm, states in and out, an empty stream, zero-row alignment, slots with padded rows,
+    the in-place pool kernel: fla's ops through the adapter agree with the naive ones (the interpreter computes
+    dots in plain float32), and a stream's bits are the same alone and inside a varlen batch. (safe_gate uses a
+    gather the interpreter lacks: GPU only.)"""
+    fla_interpreted(fla_backend, "fla.ops.kda.fused_recurrent")
+    H, DK, DV = 2, 32, 16
+    cu, starts = [0, 70, 75, 75, 205], [0, 37, 5, 100]
+    q, k, v, g, beta = rows(cu[-1], H, DK, DV, seed=11, bound=-0.5)
+    state = kept_state(4, H, DK, DV)
+    ref, ref_final = naive.chunk_kda(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
+    out, final = fla_backend.chunk_kda(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
+    assert worst(out, ref) < 1e-5 and worst(final, ref_final) < 1e-5
+    aligned, aligned_final = fla_backend.chunk_kda(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts,
+                                                   align_grid=True, **l2(DK))
+    assert worst(aligned, ref) < 1e-5 and worst(aligned_final, ref_final) < 1e-5
+    assert torch.equal(final[2], state[2]) and torch.equal(aligned_final[2], state[2])       # the empty stream
+    alone, alone_final = fla_backend.chunk_kda(q[75:], k[75:], v[75:], g[75:], beta[75:], state[3], **l2(DK))
+    assert torch.equal(alone, out[75:]) and torch.equal(alone_final, final[3])
+    slots = [5, -1, 1, 3, -1]
+    ref_pool = kept_state(6, H, DK, DV)
+    ref_step = naive.recurrent_kda_step(q[:5], k[:5], v[:5], g[:5], beta[:5], ref_pool, slots, **l2(DK))
+    for in_place in (False, True):
+        pool = kept_state(6, H, DK, DV)
+        step = fla_backend.recurrent_kda_step(q[:5], k[:5], v[:5], g[:5], beta[:5], pool, torch.tensor(slots),
+                                              in_place=in_place, **l2(DK))
+        assert worst(step, ref_step) < 1e-5 and worst(pool, ref_pool) < 1e-5
+        assert torch.equal(step[[1, 4]], torch.zeros_like(step[[1, 4]]))
+        assert torch.equal(pool[[0, 2, 4]], ref_pool[[0, 2, 4]])

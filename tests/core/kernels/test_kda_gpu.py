@@ -20,28 +20,23 @@ import), at GLM-5.3-Flash's KDA widths (H 64, DK = DV 128) so that fla autotunes
 Each test prints `KDA-GPU {json}` lines (run with -s) and appends them to $OUT/kda-gpu-tests.jsonl when OUT is set:
 every max difference is recorded before anything is asserted.
 
-CPU (marked `triton`, skipped on CUDA and without fla-core): the adapter's glue in triton's interpreter.
-
-This module imports on the CPU without fla (fla is imported lazily by fla_backend).
+The adapter's glue on the CPU (fla in triton's interpreter) is tested in test_kda.py. This module imports on the
+CPU without fla (fla is imported lazily by fla_backend).
 """
 
 from __future__ import annotations
 
-import builtins
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kda_cases import CUDA, HAS_FLA, kept_state, l2, relative, rows, worst
 
 from tensorfold.kernels import kda
 from tensorfold.kernels.kda import fla_backend, naive
 
-HAS_FLA = importlib.util.find_spec("fla") is not None
-CUDA = torch.cuda.is_available()
 DEVICE = "cuda"                                     # where the gpu-marked tests put their tensors
 GLM = dict(H=64, DK=128, DV=128)                    # GLM-5.3-Flash's KDA: linear_num_heads, linear_head_dim
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -57,38 +52,6 @@ def report(**record: object) -> None:
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "kda-gpu-tests.jsonl", "a") as handle:
             handle.write(line + "\n")
-
-
-def rows(T: int, H: int, DK: int, DV: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-         seed: int = 0, bound: float = -5.0) -> tuple[torch.Tensor, ...]:
-    """Raw unit-scale q, k, v [T, H, D] in `dtype`; g = bound·sigmoid(2·N(0,1)) [T, H, DK] float32 (GLM's safe gate
-    with its lower bound -5, as tests/core/kernels/test_kda.py draws it); beta = sigmoid(N(0,1)) in `dtype`."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, H, DK, generator=gen)
-    k = torch.randn(T, H, DK, generator=gen)
-    v = torch.randn(T, H, DV, generator=gen)
-    g = bound * torch.sigmoid(2.0 * torch.randn(T, H, DK, generator=gen))
-    beta = torch.sigmoid(torch.randn(T, H, generator=gen))
-    return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), g.to(device), beta.to(device, dtype))
-
-
-def kept_state(N: int, H: int, DK: int, DV: int, device: str = "cpu", seed: int = 1) -> torch.Tensor:
-    """States such as streams keep after some tokens: modest entries, float32 [N, H, DK, DV]."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(N, H, DK, DV, generator=gen) * 0.2).to(device)
-
-
-def l2(DK: int) -> dict:
-    """Raw q, k: l2-normalised in the op, q scaled by DK^-0.5 (what GLM does before its kernel)."""
-    return dict(qk_l2norm=True, scale=DK ** -0.5)
-
-
-def worst(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return worst(a, b) / max(float(b.double().abs().max()) if b.numel() else 0.0, 1e-30)
 
 
 def truth(q, k, v, g, beta, state, start=0, cu=None, starts=None):
@@ -402,85 +365,3 @@ def test_gpu_public_chunk_dispatch():
     ref = naive.chunk_kda(q, k, v, g, beta, state, 70, **l2(DK))
     assert all(torch.equal(a, b) for a, b in zip(auto, direct, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(forced, ref, strict=True))
-
-
-# ---------------------------------------------------------------- fla in the interpreter (CPU): the adapter's glue
-
-
-@pytest.fixture
-def fla_interpreted(monkeypatch):
-    """fla's kernels in triton's interpreter. fla targets the compiler, so three shims, undone after the test: a
-    size-1 scalar converts to int; autotuning takes the first config (it cannot time anything); a kernel's
-    `range` over a runtime count yields tensors, as the compiler's does (the shims of test_gated_delta.py)."""
-    if CUDA:
-        pytest.skip("the GPU tests run fla itself")
-    if not HAS_FLA:
-        pytest.skip("fla-core is not installed")
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-    from triton.runtime import autotuner
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1, set by conftest.py without CUDA)")
-    if not hasattr(interpreter, "_patch_lang_tensor") or not hasattr(interpreter, "TensorHandle"):
-        pytest.skip("this triton's interpreter lacks the hooks the shims use")
-    original_patch, original_run = interpreter._patch_lang_tensor, autotuner.Autotuner.run
-
-    def patch_lang_tensor(tensor, scope):
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def first_config(self, *args, **kwargs):
-        configs, self.configs = self.configs, self.configs[:1]
-        try:
-            return original_run(self, *args, **kwargs)
-        finally:
-            self.configs = configs
-
-    def kernel_range(*bounds):
-        if not any(hasattr(b, "handle") for b in bounds):
-            yield from builtins.range(*bounds)
-            return
-        ints = [int(b.handle.data.reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds]
-        for i in builtins.range(*ints):
-            yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-    monkeypatch.setattr(autotuner.Autotuner, "run", first_config)
-    if not fla_backend.available():
-        pytest.skip("fla-core does not import here")
-    importlib.import_module("fla.ops.kda.fused_recurrent")
-    for name, module in list(sys.modules.items()):
-        if name.startswith("fla.ops.") and not name.endswith(".naive"):
-            monkeypatch.setattr(module, "range", kernel_range, raising=False)
-
-
-@pytest.mark.triton
-def test_fla_adapter_in_the_interpreter(fla_interpreted):
-    """Layout, g, scale, l2norm, states in and out, an empty stream, zero-row alignment, slots with padded rows,
-    the in-place pool kernel: fla's ops through the adapter agree with the naive ones (the interpreter computes
-    dots in plain float32), and a stream's bits are the same alone and inside a varlen batch. (safe_gate uses a
-    gather the interpreter lacks: GPU only.)"""
-    H, DK, DV = 2, 32, 16
-    cu, starts = [0, 70, 75, 75, 205], [0, 37, 5, 100]
-    q, k, v, g, beta = rows(cu[-1], H, DK, DV, seed=11, bound=-0.5)
-    state = kept_state(4, H, DK, DV)
-    ref, ref_final = naive.chunk_kda(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
-    out, final = fla_backend.chunk_kda(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts, **l2(DK))
-    assert worst(out, ref) < 1e-5 and worst(final, ref_final) < 1e-5
-    aligned, aligned_final = fla_backend.chunk_kda(q, k, v, g, beta, state, cu_seqlens=cu, starts=starts,
-                                                   align_grid=True, **l2(DK))
-    assert worst(aligned, ref) < 1e-5 and worst(aligned_final, ref_final) < 1e-5
-    assert torch.equal(final[2], state[2]) and torch.equal(aligned_final[2], state[2])       # the empty stream
-    alone, alone_final = fla_backend.chunk_kda(q[75:], k[75:], v[75:], g[75:], beta[75:], state[3], **l2(DK))
-    assert torch.equal(alone, out[75:]) and torch.equal(alone_final, final[3])
-    slots = [5, -1, 1, 3, -1]
-    ref_pool = kept_state(6, H, DK, DV)
-    ref_step = naive.recurrent_kda_step(q[:5], k[:5], v[:5], g[:5], beta[:5], ref_pool, slots, **l2(DK))
-    for in_place in (False, True):
-        pool = kept_state(6, H, DK, DV)
-        step = fla_backend.recurrent_kda_step(q[:5], k[:5], v[:5], g[:5], beta[:5], pool, torch.tensor(slots),
-                                              in_place=in_place, **l2(DK))
-        assert worst(step, ref_step) < 1e-5 and worst(pool, ref_pool) < 1e-5
-        assert torch.equal(step[[1, 4]], torch.zeros_like(step[[1, 4]]))
-        assert torch.equal(pool[[0, 2, 4]], ref_pool[[0, 2, 4]])

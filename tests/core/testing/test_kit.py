@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tensorfold.testing import kit
 
@@ -81,3 +82,16 @@ def test_the_kit_catches_a_batch_dependent_forward(subject):
 
     with pytest.raises(AssertionError, match="with 2 streams in the step"):
         kit.check_batch_invariance(attrs.evolve(subject, model=Crowded(subject.model)), PROMPT, sizes=(1, 2))
+
+
+def test_every_row_in_pieces_matches_one_shot_and_greedy_follows_its_last_row(subject):
+    model = subject.model
+    one_shot = kit.every_row(model, subject.store(1, len(PROMPT)), PROMPT, cuts=[])
+    pieces = kit.every_row(model, subject.store(1, len(PROMPT)), PROMPT, cuts=[9, 30, 31])
+    assert one_shot.shape == (len(PROMPT), model.vocab_size) and one_shot.dtype == torch.float32
+    assert float((one_shot - pieces).abs().max()) <= 1e-4
+    tokens = kit.greedy(model, subject.store(1, len(PROMPT) + 4), PROMPT, steps=4)
+    assert len(tokens) == 4 and tokens[0] == int(one_shot[-1].argmax())
+    longer = [*PROMPT, *tokens[:3]]
+    rows = kit.every_row(model, subject.store(1, len(longer)), longer, cuts=[])
+    assert [int(row.argmax()) for row in rows[len(PROMPT) - 1:]] == tokens

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tensorfold.kernels.backend import triton_installed
 from tensorfold.kernels.gated_delta import fla_backend, naive
+from tensorfold.kernels.stream_args import check_pool, check_slots, check_state, check_streams
 
 __all__ = ["BACKENDS", "chunk_backend", "chunk_gated_delta", "gdn_gate", "recurrent_gated_delta_step",
            "recurrent_gated_delta_step_gated", "step_backend"]
@@ -77,28 +78,7 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     stream's first row (docs/kernels.md).
     """
     T, NK, DK, NV, DV = _check_rows(q, k, v, g, beta)
-    if cu_seqlens is None:
-        if starts is not None:
-            raise ValueError("starts goes with cu_seqlens; one stream takes `start`")
-        if int(start) < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
-        if initial_state is not None:
-            _check_state(initial_state, (NV, DK, DV), q.device, "initial_state")
-    else:
-        if start:
-            raise ValueError("with cu_seqlens, give each stream's start in `starts`")
-        bounds = _host_ints(cu_seqlens, "cu_seqlens")
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(
-                b < a for a, b in zip(bounds, bounds[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={T} (at least one stream), got {bounds}")
-        streams = len(bounds) - 1
-        if starts is not None:
-            starts = _host_ints(starts, "starts")
-            if len(starts) != streams or min(starts) < 0:
-                raise ValueError(f"starts must give {streams} positions >= 0, got {starts}")
-        if initial_state is not None:
-            _check_state(initial_state, (streams, NV, DK, DV), q.device, "initial_state")
-        cu_seqlens = bounds
+    cu_seqlens, starts = check_streams(T, (NV, DK, DV), q.device, initial_state, start, cu_seqlens, starts)
     chosen = backend or chunk_backend(q.device)
     _announce("chunk", q.device.type, chosen)
     if chosen == "fla":
@@ -123,22 +103,8 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dtype. Distinctness is checked only for host slots (a device check would sync).
     """
     B, NK, DK, NV, DV = _check_rows(q, k, v, g, beta)
-    _check_state(states, (None, NV, DK, DV), q.device, "states")
-    if not states.is_contiguous():
-        raise ValueError("states must be contiguous")
-    if isinstance(slots, torch.Tensor):
-        if slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots must be an int tensor [{B}], got {slots.dtype} {tuple(slots.shape)}")
-        if slots.device != states.device:
-            raise ValueError(f"slots on {slots.device}, states on {states.device}")
-        host = slots.tolist() if slots.device.type == "cpu" else None
-    else:
-        host = _host_ints(slots, "slots")
-        if len(host) != B:
-            raise ValueError(f"slots must give {B} slots, got {len(host)}")
-    live = [s for s in host if s >= 0] if host is not None else None
-    if live is not None and (len(set(live)) != len(live) or any(s >= states.shape[0] for s in live)):
-        raise ValueError(f"slots must be distinct and in [0, {states.shape[0]}) (negative: padded), got {host}")
+    check_pool(states, (NV, DK, DV), q.device)
+    host = check_slots(slots, B, states, read_back=False)
     chosen = backend or step_backend(q.device)
     _announce("step", q.device.type, chosen)
     if chosen == "naive":
@@ -148,7 +114,7 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return triton_recurrent.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale,
                                                            qk_l2norm=qk_l2norm)
     if chosen == "fla":
-        if host is not None and len(live) != len(host):
+        if host is not None and any(s < 0 for s in host):
             raise ValueError("the fla backend takes no padded rows (negative slots)")
         return fla_backend.recurrent_gated_delta_step(q, k, v, g, beta, states, slots, scale=scale,
                                                       qk_l2norm=qk_l2norm)
@@ -181,7 +147,7 @@ def recurrent_gated_delta_step_gated(q: torch.Tensor, k: torch.Tensor, v: torch.
     chosen = backend or step_backend(q.device)
     if chosen == "triton":
         _check_rows(q, k, v, a, b, raw_gate=True)
-        _check_state(states, (None, v.shape[1], q.shape[2], v.shape[2]), q.device, "states")
+        check_state(states, (None, v.shape[1], q.shape[2], v.shape[2]), q.device, "states")
         from tensorfold.kernels.gated_delta import triton_recurrent
         return triton_recurrent.recurrent_gated_delta_step(q, k, v, a, b, states, slots, scale=scale,
                                                            qk_l2norm=True, gate=(A_log, dt_bias))
@@ -213,21 +179,3 @@ def _check_rows(q, k, v, g, beta, raw_gate: bool = False) -> tuple[int, int, int
     if len({t.device for t in (q, k, v, g, beta)}) != 1:
         raise ValueError("q, k, v, g, beta must be on one device")
     return rows, heads_k, k_dim, heads_v, v_dim
-
-
-def _check_state(state: torch.Tensor, shape: tuple, device: torch.device, name: str) -> None:
-    if state.dim() != len(shape) or any(want is not None and got != want
-                                        for got, want in zip(state.shape, shape, strict=True)):
-        raise ValueError(f"{name} must be {['*' if s is None else s for s in shape]}, got {tuple(state.shape)}")
-    if state.dtype != torch.float32:
-        raise ValueError(f"{name} must be float32, got {state.dtype}")
-    if state.device != device:
-        raise ValueError(f"{name} on {state.device}, inputs on {device}")
-
-
-def _host_ints(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(f"{name} must be on the host (a device tensor would sync)")
-        values = values.tolist()
-    return [int(x) for x in values]

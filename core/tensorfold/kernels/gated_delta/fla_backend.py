@@ -26,66 +26,25 @@ falls back to our kernels (docs/kernels.md). What fla expects, read from fla-cor
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
+from tensorfold.kernels.fla_import import FlaImport
+from tensorfold.kernels.fla_varlen import chunk_varlen
 from tensorfold.kernels.gated_delta.naive import CHUNK
+from tensorfold.kernels.stream_args import as_packed
 
 ENV_SWITCHES = ("FLA_FLASH_QLA", "FLA_INTRACARD_CP", "FLA_TILELANG", "FLA_DISABLE_BACKEND_DISPATCH",
                 "FLA_USE_FAST_OPS", "FLA_CACHE_MODE", "FLA_CONFIG_DIR", "FLA_CACHE_RESULTS", "FLA_DISABLE_TENSOR_CACHE",
                 "TRITON_F32_DEFAULT")
 
-
-_import_error: str | None = None
-
-
-@functools.cache
-def _ops():
-    """fla's gated delta rule module, or None when fla cannot be imported (the reason in `import_error()`)."""
-    global _import_error
-    if importlib.util.find_spec("fla") is None:
-        _import_error = "fla-core is not installed"
-        return None
-    try:
-        return importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception as error:                                                     # noqa: BLE001 (any import failure)
-        _import_error = f"fla-core is installed but does not import: {error!r} (fla-core also needs einops)"
-        return None
-
-
-def available() -> bool:
-    """fla-core is installed and its gated delta rule imports."""
-    return _ops() is not None
-
-
-def import_error() -> str | None:
-    """Why fla cannot be used, or None when it can."""
-    return None if available() else _import_error
-
-
-def environment() -> dict[str, object]:
-    """What decides which of fla's code paths runs: versions, optional packages, and the FLA_* switches."""
-    info: dict[str, object] = {"fla": None, "fla_import_error": import_error()}
-    if available():
-        import fla
-        info["fla"] = getattr(fla, "__version__", "?")
-    for package in ("flash_qla", "tilelang"):
-        info[package] = importlib.util.find_spec(package) is not None
-    info["env"] = {name: os.environ[name] for name in ENV_SWITCHES if name in os.environ}
-    return info
-
-
-def _require():
-    ops = _ops()
-    if ops is None:
-        reason = import_error() or "fla-core is not installed"
-        raise RuntimeError(f"{reason}: pip install fla-core einops, or use backend='triton' or 'naive'")
-    return ops
+_FLA = FlaImport("fla.ops.gated_delta_rule", packages=("flash_qla", "tilelang"), switches=ENV_SWITCHES,
+                 instead="backend='triton' or 'naive'")
+_ops = _FLA.load                    # fla's gated delta rule module, or None (the reason in `import_error()`)
+# These call fla's module up through the name `_ops`, so a test that stubs `_ops` stubs all four.
+available, import_error, environment, _require = _FLA.functions(lambda: _ops())
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -101,54 +60,11 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     `align_grid`: each stream then gets start % 64 zero rows in front, putting fla's chunks on the absolute grid
     the naive version uses (a zero row changes nothing; it costs a copy of the inputs).
     """
-    if cu_seqlens is None:
-        out, final = _chunk_streams(q, k, v, g, beta, None if initial_state is None else initial_state[None],
-                                    [0, q.shape[0]], [start], scale, qk_l2norm, align_grid)
-        return out, final[0]
-    bounds = [int(c) for c in cu_seqlens]
-    starts = [0] * (len(bounds) - 1) if starts is None else [int(s) for s in starts]
-    return _chunk_streams(q, k, v, g, beta, initial_state, bounds, starts, scale, qk_l2norm, align_grid)
-
-
-def _chunk_streams(q, k, v, g, beta, initial_state, bounds: list[int], starts: list[int], scale: float,
-                   qk_l2norm: bool, align_grid: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _require()
-    heads, k_dim, v_dim = v.shape[1], q.shape[-1], v.shape[-1]
-    if initial_state is None:
-        initial_state = torch.zeros(len(bounds) - 1, heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
-    rows = None
-    leads = [s % CHUNK for s in starts]
-    if align_grid and any(leads):
-        q, k, v, g, beta, bounds, rows = _pad_in_front(q, k, v, g, beta, bounds, leads)
-    cu_cpu = torch.tensor(bounds, dtype=torch.long)
-    out, final = ops.chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], scale=float(scale), initial_state=initial_state,
-        output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm,
-        cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu)
-    out = out[0]
-    if rows is not None:
-        out = out[rows]
-    return out.to(v.dtype), final
-
-
-def _pad_in_front(q, k, v, g, beta, bounds: list[int], leads: list[int]):
-    """Each stream's rows moved behind `lead` zero rows; returns the padded tensors, their bounds, and the index
-    of the real rows in the padded layout."""
-    padded_bounds, index = [0], []
-    for n, lead in enumerate(leads):
-        a, b = bounds[n], bounds[n + 1]
-        base = padded_bounds[-1] + lead
-        index.extend(range(base, base + b - a))
-        padded_bounds.append(base + b - a)
-    rows = torch.tensor(index, dtype=torch.long).to(q.device, non_blocking=True)
-    total = padded_bounds[-1]
-
-    def spread(t: torch.Tensor) -> torch.Tensor:
-        full = t.new_zeros(total, *t.shape[1:])
-        full[rows] = t
-        return full
-
-    return (*(spread(t) for t in (q, k, v, g, beta)), padded_bounds, rows)
+    states, bounds, starts = as_packed(q.shape[0], initial_state, start, cu_seqlens, starts)
+    fla_op = partial(_require().chunk_gated_delta_rule, scale=float(scale), output_final_state=True,
+                     use_qk_l2norm_in_kernel=qk_l2norm)
+    out, final = chunk_varlen(q, k, v, g, beta, states, bounds, starts, align_grid, CHUNK, fla_op)
+    return (out, final) if cu_seqlens is not None else (out, final[0])
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.per_stream import each_slot, each_stream
+from tensorfold.kernels.stream_args import as_packed
+
 CHUNK = 64          # the chunked form's block, on the absolute position grid
 
 
@@ -61,34 +64,15 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     Returns out [T, NV, DV] and the final states [N, NV, DK, DV].
     The states come out in `math_dtype` (float32; float64 gives a truth to measure the fast versions against).
     """
-    if cu_seqlens is None:
-        out, final = _chunk_streams(q, k, v, g, beta, None if initial_state is None else initial_state[None],
-                                    [0, q.shape[0]], [start], scale, qk_l2norm, math_dtype)
-        return out, final[0]
-    bounds = [int(c) for c in cu_seqlens]
-    starts = [0] * (len(bounds) - 1) if starts is None else [int(s) for s in starts]
-    return _chunk_streams(q, k, v, g, beta, initial_state, bounds, starts, scale, qk_l2norm, math_dtype)
+    heads = v.shape[1]
 
-
-def _chunk_streams(q, k, v, g, beta, initial_state, bounds: list[int], starts: list[int], scale: float,
-                   qk_l2norm: bool, math_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each stream on its own: bounds N+1 offsets, initial_state [N, NV, DK, DV] or None, starts N positions."""
-    heads, k_dim, v_dim = v.shape[1], q.shape[-1], v.shape[-1]
-    outs, finals = [], []
-    for n in range(len(bounds) - 1):
-        a, b = bounds[n], bounds[n + 1]
-        state = (torch.zeros(heads, k_dim, v_dim, dtype=math_dtype, device=q.device) if initial_state is None
-                 else initial_state[n].to(math_dtype))
-        if a == b:
-            outs.append(v.new_zeros(0, heads, v_dim, dtype=math_dtype))
-            finals.append(state.clone())
-            continue
+    def one(a: int, b: int, state: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         qn, kn = prepare_qk(q[a:b], k[a:b], heads, scale, qk_l2norm, math_dtype)
-        out, final = chunked(qn, kn, v[a:b].to(math_dtype), g[a:b].to(math_dtype), beta[a:b].to(math_dtype),
-                             state, starts[n])
-        outs.append(out)
-        finals.append(final)
-    return torch.cat(outs).to(v.dtype), torch.stack(finals)
+        return chunked(qn, kn, v[a:b].to(math_dtype), g[a:b].to(math_dtype), beta[a:b].to(math_dtype), state, start)
+
+    states, bounds, starts = as_packed(q.shape[0], initial_state, start, cu_seqlens, starts)
+    out, final = each_stream(q, v, states, bounds, starts, math_dtype, one)
+    return (out, final) if cu_seqlens is not None else (out, final[0])
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -100,17 +84,13 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     float32); slots [B] distinct, negative for a padded row (out zero). Returns out [B, NV, DV] in v's dtype;
     the other slots are left untouched.
     """
-    heads = v.shape[1]
-    slots = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
-    dtype = states.dtype
-    out = v.new_empty(v.shape)
-    for i, slot in enumerate(slots):
-        if slot < 0:                                                               # a padded row
-            out[i] = 0
-            continue
+    heads, dtype = v.shape[1], states.dtype
+
+    def one(i: int, state: torch.Tensor) -> torch.Tensor:
         qi, ki = prepare_qk(q[i:i + 1], k[i:i + 1], heads, scale, qk_l2norm, dtype)
-        out[i] = recurrent_step(qi[0], ki[0], v[i].to(dtype), g[i].to(dtype), beta[i].to(dtype), states[slot])
-    return out
+        return recurrent_step(qi[0], ki[0], v[i].to(dtype), g[i].to(dtype), beta[i].to(dtype), state)
+
+    return each_slot(v, states, slots, one)
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from tensorfold.kernels.kda import fla_backend, naive
+from tensorfold.kernels.stream_args import check_pool, check_slots, check_streams
 
 __all__ = ["BACKENDS", "chunk_backend", "chunk_kda", "kda_gate", "recurrent_kda_step", "step_backend"]
 
@@ -82,28 +83,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     stream's first row (docs/kernels.md).
     """
     T, H, DK, DV = _check_rows(q, k, v, g, beta)
-    if cu_seqlens is None:
-        if starts is not None:
-            raise ValueError("starts goes with cu_seqlens; one stream takes `start`")
-        if int(start) < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
-        if initial_state is not None:
-            _check_state(initial_state, (H, DK, DV), q.device, "initial_state")
-    else:
-        if start:
-            raise ValueError("with cu_seqlens, give each stream's start in `starts`")
-        bounds = _host_ints(cu_seqlens, "cu_seqlens")
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(
-                b < a for a, b in zip(bounds, bounds[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={T} (at least one stream), got {bounds}")
-        streams = len(bounds) - 1
-        if starts is not None:
-            starts = _host_ints(starts, "starts")
-            if len(starts) != streams or min(starts) < 0:
-                raise ValueError(f"starts must give {streams} positions >= 0, got {starts}")
-        if initial_state is not None:
-            _check_state(initial_state, (streams, H, DK, DV), q.device, "initial_state")
-        cu_seqlens = bounds
+    cu_seqlens, starts = check_streams(T, (H, DK, DV), q.device, initial_state, start, cu_seqlens, starts)
     _check_backend(backend, q.device)
     if backend == "fla" and DK > MAX_HEAD_DIM:
         raise ValueError(f"backend 'fla' takes DK up to {MAX_HEAD_DIM}, got {DK}")
@@ -129,25 +109,10 @@ def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     the fla path reads nothing back (a check would sync).
     """
     B, H, DK, DV = _check_rows(q, k, v, g, beta)
-    _check_state(states, (None, H, DK, DV), q.device, "states")
-    if not states.is_contiguous():
-        raise ValueError("states must be contiguous")
+    check_pool(states, (H, DK, DV), q.device)
     _check_backend(backend, q.device)
     chosen = backend or step_backend(q.device)
-    if isinstance(slots, torch.Tensor):
-        if slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots must be an int tensor [{B}], got {slots.dtype} {tuple(slots.shape)}")
-        if slots.device != states.device:
-            raise ValueError(f"slots on {slots.device}, states on {states.device}")
-        host = slots.tolist() if slots.device.type == "cpu" or chosen == "naive" else None
-    else:
-        host = _host_ints(slots, "slots")
-        if len(host) != B:
-            raise ValueError(f"slots must give {B} slots, got {len(host)}")
-    if host is not None:
-        live = [s for s in host if s >= 0]
-        if len(set(live)) != len(live) or any(s >= states.shape[0] for s in live):
-            raise ValueError(f"slots must be distinct and in [0, {states.shape[0]}) (negative: padded), got {host}")
+    host = check_slots(slots, B, states, read_back=chosen == "naive")
     _announce("step", q.device.type, chosen)
     if chosen == "fla":
         return fla_backend.recurrent_kda_step(q, k, v, g, beta, states, slots if host is None else host,
@@ -194,21 +159,3 @@ def _check_rows(q, k, v, g, beta) -> tuple[int, int, int, int]:
     if len({t.device for t in (q, k, v, g, beta)}) != 1:
         raise ValueError("q, k, v, g, beta must be on one device")
     return rows, heads, k_dim, v.shape[2]
-
-
-def _check_state(state: torch.Tensor, shape: tuple, device: torch.device, name: str) -> None:
-    if state.dim() != len(shape) or any(want is not None and got != want
-                                        for got, want in zip(state.shape, shape, strict=True)):
-        raise ValueError(f"{name} must be {['*' if s is None else s for s in shape]}, got {tuple(state.shape)}")
-    if state.dtype != torch.float32:
-        raise ValueError(f"{name} must be float32, got {state.dtype}")
-    if state.device != device:
-        raise ValueError(f"{name} on {state.device}, inputs on {device}")
-
-
-def _host_ints(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(f"{name} must be on the host (a device tensor would sync)")
-        values = values.tolist()
-    return [int(x) for x in values]

@@ -37,65 +37,24 @@ falls back to the naive version (docs/kernels.md, "kda"). What fla expects, read
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
+from tensorfold.kernels.fla_import import FlaImport
+from tensorfold.kernels.fla_varlen import chunk_varlen
 from tensorfold.kernels.kda.naive import CHUNK
+from tensorfold.kernels.stream_args import as_packed
 
 ENV_SWITCHES = ("FLA_FLASH_KDA", "FLA_INTRACARD_CP", "FLA_INTRACARD_MAX_SPLITS", "FLA_TILELANG",
                 "FLA_DISABLE_BACKEND_DISPATCH", "FLA_USE_FAST_OPS", "FLA_CACHE_MODE", "FLA_CONFIG_DIR",
                 "FLA_CACHE_RESULTS", "FLA_DISABLE_TENSOR_CACHE", "FLA_TENSOR_CACHE_SIZE", "TRITON_F32_DEFAULT")
 
-_import_error: str | None = None
-
-
-@functools.cache
-def _ops():
-    """fla's KDA module, or None when fla cannot be imported (the reason in `import_error()`)."""
-    global _import_error
-    if importlib.util.find_spec("fla") is None:
-        _import_error = "fla-core is not installed"
-        return None
-    try:
-        return importlib.import_module("fla.ops.kda")
-    except Exception as error:                                                     # noqa: BLE001 (any import failure)
-        _import_error = f"fla-core is installed but does not import: {error!r} (fla-core also needs einops)"
-        return None
-
-
-def available() -> bool:
-    """fla-core is installed and its KDA ops import."""
-    return _ops() is not None
-
-
-def import_error() -> str | None:
-    """Why fla cannot be used, or None when it can."""
-    return None if available() else _import_error
-
-
-def environment() -> dict[str, object]:
-    """What decides which of fla's code paths runs: versions, optional packages, and the FLA_* switches."""
-    info: dict[str, object] = {"fla": None, "fla_import_error": import_error()}
-    if available():
-        import fla
-        info["fla"] = getattr(fla, "__version__", "?")
-    for package in ("flash_kda", "tilelang"):
-        info[package] = importlib.util.find_spec(package) is not None
-    info["env"] = {name: os.environ[name] for name in ENV_SWITCHES if name in os.environ}
-    return info
-
-
-def _require():
-    ops = _ops()
-    if ops is None:
-        reason = import_error() or "fla-core is not installed"
-        raise RuntimeError(f"{reason}: pip install fla-core einops, or use backend='naive'")
-    return ops
+_FLA = FlaImport("fla.ops.kda", packages=("flash_kda", "tilelang"), switches=ENV_SWITCHES, instead="backend='naive'")
+_ops = _FLA.load                    # fla's KDA module, or None (the reason in `import_error()`)
+# These call fla's module up through the name `_ops`, so a test that stubs `_ops` stubs all four.
+available, import_error, environment, _require = _FLA.functions(lambda: _ops())
 
 
 # ---------------------------------------------------------------- prefill: fla's chunk_kda
@@ -116,58 +75,19 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     neither the state nor another row's output; it costs a copy of the inputs and up to 63 rows per stream).
     `safe_gate` is fla's tensor-core path for gates in [-5, 0) (module docstring); off by default.
     """
-    if cu_seqlens is None:
-        out, final = _chunk_streams(q, k, v, g, beta, None if initial_state is None else initial_state[None],
-                                    [0, q.shape[0]], [int(start)], scale, qk_l2norm, align_grid, safe_gate)
-        return out, final[0]
-    bounds = [int(c) for c in cu_seqlens]
-    starts = [0] * (len(bounds) - 1) if starts is None else [int(s) for s in starts]
-    return _chunk_streams(q, k, v, g, beta, initial_state, bounds, starts, scale, qk_l2norm, align_grid, safe_gate)
-
-
-def _chunk_streams(q, k, v, g, beta, initial_state, bounds: list[int], starts: list[int], scale: float,
-                   qk_l2norm: bool, align_grid: bool, safe_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    states, bounds, starts = as_packed(q.shape[0], initial_state, int(start), cu_seqlens, starts)
     ops = _require()
-    heads, k_dim, v_dim = v.shape[1], q.shape[-1], v.shape[-1]
-    streams = len(bounds) - 1
-    if initial_state is None:
-        initial_state = torch.zeros(streams, heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
     if bounds[-1] == 0:                                                            # no rows at all: nothing to run
-        return v.new_zeros(0, heads, v_dim), initial_state.to(torch.float32, copy=True)
-    rows = None
-    leads = [s % CHUNK for s in starts]
-    if align_grid and any(leads):
-        q, k, v, g, beta, bounds, rows = _pad_in_front(q, k, v, g, beta, bounds, leads)
-    cu_cpu = torch.tensor(bounds, dtype=torch.long)
-    out, final = ops.chunk_kda(
-        q[None], k[None], v[None], g[None], beta[None], scale=float(scale), initial_state=initial_state,
-        output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm, use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False, safe_gate=safe_gate, state_v_first=False,
-        cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu)
-    out = out[0]
-    if rows is not None:
-        out = out[rows]
-    return out.to(v.dtype), final
-
-
-def _pad_in_front(q, k, v, g, beta, bounds: list[int], leads: list[int]):
-    """Each stream's rows moved behind `lead` zero rows; returns the padded tensors, their bounds, and the index
-    of the real rows in the padded layout."""
-    padded_bounds, index = [0], []
-    for n, lead in enumerate(leads):
-        a, b = bounds[n], bounds[n + 1]
-        base = padded_bounds[-1] + lead
-        index.extend(range(base, base + b - a))
-        padded_bounds.append(base + b - a)
-    rows = torch.tensor(index, dtype=torch.long).to(q.device, non_blocking=True)
-    total = padded_bounds[-1]
-
-    def spread(t: torch.Tensor) -> torch.Tensor:
-        full = t.new_zeros(total, *t.shape[1:])
-        full[rows] = t
-        return full
-
-    return (*(spread(t) for t in (q, k, v, g, beta)), padded_bounds, rows)
+        heads, k_dim, v_dim = v.shape[1], q.shape[-1], v.shape[-1]
+        final = (torch.zeros(len(bounds) - 1, heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
+                 if states is None else states.to(torch.float32, copy=True))
+        out = v.new_zeros(0, heads, v_dim)
+    else:
+        fla_op = partial(ops.chunk_kda, scale=float(scale), output_final_state=True,
+                         use_qk_l2norm_in_kernel=qk_l2norm, use_gate_in_kernel=False,
+                         use_beta_sigmoid_in_kernel=False, safe_gate=safe_gate, state_v_first=False)
+        out, final = chunk_varlen(q, k, v, g, beta, states, bounds, starts, align_grid, CHUNK, fla_op)
+    return (out, final) if cu_seqlens is not None else (out, final[0])
 
 
 # ---------------------------------------------------------------- decode: fla's recurrent kernel
