@@ -24,6 +24,7 @@ from learn_cases import (
     turns,
     written,
 )
+from learn_files import learned
 
 from tensorfold.testing.process import serving, tail
 
@@ -83,25 +84,19 @@ def test_tensorfold_learned_reads_what_a_server_wrote(tiny_checkpoint, tmp_path,
     """The `tensorfold learned` command, as a real process, on a store a real server wrote: ls and show list the
     states, verify passes, and gc is refused while a server holds the store."""
     import json
-    import subprocess
-    import sys
 
     root, log = tmp_path / "learned", tmp_path / "server.log"
     one, _ = turns(fresh["first"])
 
-    def learned(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tensorfold", "learned", *args, "--learn-dir", str(root)],
-                              capture_output=True, text=True, timeout=60)
-
     with serving(serve_args(tiny_checkpoint, *learn_args(root)), log, env=ENV) as url:
         ask(url, one)
-    listed = json.loads(learned("ls", "--json").stdout)
+    listed = json.loads(learned(root, "ls", "--json").stdout)
     assert len(listed) == 1 and listed[0]["states"] == 2 and listed[0]["facts"]["dtype"]
-    shown = json.loads(learned("show", listed[0]["identity"][:10], "--json").stdout)
+    shown = json.loads(learned(root, "show", listed[0]["identity"][:10], "--json").stdout)
     assert fresh["history"] in {s["tokens"] for s in shown["states"]}
-    assert learned("verify").returncode == 0
+    assert learned(root, "verify").returncode == 0
     with serving(serve_args(tiny_checkpoint, *learn_args(root)), log, env=ENV):
-        refused = learned("gc")
+        refused = learned(root, "gc")
         assert refused.returncode == 1 and "in use by another tensorfold server" in refused.stderr
-        assert learned("ls").returncode == 0
-    assert learned("gc").returncode == 0
+        assert learned(root, "ls").returncode == 0
+    assert learned(root, "gc").returncode == 0

@@ -34,8 +34,8 @@ from learn_cases import (
     settled,
     written,
 )
+from learn_files import blocks_of, data_bytes, data_files, kept, learned
 
-from tensorfold.rows.files import STATE, read_header
 from tensorfold.testing.process import free_port, serving, tail
 
 pytestmark = pytest.mark.slow
@@ -50,27 +50,6 @@ def learning(model: Path, root: Path, *extra: str, floor: str = "0") -> list[str
     """serve's flags with the disk tier on `root`, blocks of BLOCK_ROWS rows and a free-space floor of `floor` GiB."""
     return serve_args(model, "--learn-conversations", "--learn-dir", str(root), "--learn-block-rows",
                       str(BLOCK_ROWS), "--learn-min-free-gib", floor, *extra)
-
-
-def learned(root: Path, *args: str) -> subprocess.CompletedProcess:
-    """`tensorfold learned ARGS --learn-dir ROOT` as a real process."""
-    return subprocess.run([sys.executable, "-m", "tensorfold", "learned", *args, "--learn-dir", str(root)],
-                          capture_output=True, text=True, timeout=60)
-
-
-def kept(root: Path) -> dict[int, Path]:
-    """Every state file under the root, by the rows it covers (its words' `at`)."""
-    return {read_header(path, STATE).words["at"]: path for path in root.glob("*/states/*.st")}
-
-
-def blocks_of(state: Path) -> list[Path]:
-    """The block files a state file lists, in order."""
-    return [state.parent.parent / "blocks" / f"{name}.blk" for name in read_header(state, STATE).words["blocks"]]
-
-
-def data_bytes(root: Path) -> int:
-    """Bytes of every state and block file under the root (what --learn-gib counts)."""
-    return sum(p.stat().st_size for pattern in ("*/states/*.st", "*/blocks/*.blk") for p in root.glob(pattern))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +105,7 @@ def serve_second_turn(model: Path, root: Path, log: Path, fresh: dict, *extra: s
             before(url)
         second = ask(url, fresh["messages"])
         now = {**memory(url)["now"], "metrics_text": httpx.get(f"{url}/metrics", timeout=10).text}
-        files = {*root.glob("*/states/*.st"), *root.glob("*/blocks/*.blk")}
+        files = data_files(root)
     return second, now, files
 
 
