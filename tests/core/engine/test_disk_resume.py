@@ -8,24 +8,19 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import partial
 
 import pytest
-from resume_cases import CHUNK, MIN_CHUNK, USERS, Client, ask, fresh, memory, tokens
+from resume_cases import CHUNK, CONTEXT, MIN_CHUNK, RIG, USERS, Client, ask, fresh, memory, tokens
 
-from tensorfold.engine.api import KeepMarks, Sampling
-from tensorfold.engine.cuts import plan_cuts
+from tensorfold.engine.api import Sampling
 from tensorfold.engine.runner import Engine
-from tensorfold.image import read_out, row_offset
 from tensorfold.plugins import load_families
-from tensorfold.rows.store import RowsStore
 from tensorfold.settings import Settings
-from tensorfold.testing import kit
-from tensorfold.tiers import DeviceTier, HostTier
-from tensorfold.tiers.disk import DiskTier
+from tensorfold.testing import engine_gates, kit
+from tensorfold.testing.engine_gates import Chat, disk_chat, open_disk, running
+from tensorfold.tiers import HostTier
 
 SEEDED = Sampling(temperature=0.9, top_p=0.95, seed=7, max_tokens=10)
-CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
@@ -33,93 +28,17 @@ def subject(example, tiny_dir):
     return kit.load(example, tiny_dir)
 
 
-def open_disk(subject, mem, root, **kwargs) -> DiskTier:
-    declarations = subject.declarations
-    store = RowsStore(root, {"model": "tiny"}, row_offset=partial(row_offset, declarations.layout,
-                                                                  declarations.image),
-                      block_rows=16, min_free_bytes=0)
-    return DiskTier(mem, store, declarations.image, **{"read_bytes_per_s": 1e12, "prefill_rows_per_s": 1.0,
-                                                       **kwargs})
-
-
 def disk_engine(subject, mem, disk, device=None, host=None) -> Engine:
-    return Engine(subject.model, mem, prefill_chunk=CHUNK, context=CONTEXT, max_waiting=8, min_chunk=MIN_CHUNK,
-                  tier=device, host=host, disk=disk)
-
-
-def chat(eng: Engine, disk: DiskTier, turns: list, users, salt: int = 0) -> list:
-    """Turns of a chat (each prompt the last one, its reply and a new message; starts at every message), waiting
-    for the I/O thread after each, so the next turn finds what it wrote."""
-    for user in users:
-        prompt, starts = (turns[-1][0] + tuple(turns[-1][2]), turns[-1][1]) if turns else ((), ())
-        if turns:
-            starts += (len(turns[-1][0]), len(prompt))
-        marks = KeepMarks(rewind=len(prompt) or None)
-        prompt += tokens(user, salt + len(turns))
-        client = Client(f"t{len(turns)}", prompt, SEEDED, starts, marks=marks)
-        done = ask(eng, client)
-        assert disk.writer.settle(30)
-        turns.append((prompt, starts, client.tokens, done))
-    return turns
+    return RIG.engine(subject, mem, device, host, disk)
 
 
 @pytest.mark.parametrize("pages", [True, False], ids=["pages", "windows"])
 def test_a_chat_resumes_from_disk_across_a_restart_as_fresh_runs(subject, tmp_path, pages):
-    mem = memory(subject, pages=pages)
-    disk = open_disk(subject, mem, tmp_path)
-    eng = disk_engine(subject, mem, disk)  # no RAM tier: every kept state is written
-    eng.start()
-    try:
-        turns = chat(eng, disk, [], USERS[:2])
-    finally:
-        eng.close()
-    assert disk.stats().kept >= 2 and disk.hits == 1
-    mem = memory(subject, pages=pages)
-    disk = open_disk(subject, mem, tmp_path)  # a restart: a new store on the same directory
-    device = DeviceTier(mem, budget=1 << 30)
-    eng = disk_engine(subject, mem, disk, device=device)
-    eng.start()
-    try:
-        turns = chat(eng, disk, turns, USERS[2:])
-    finally:
-        eng.close()
-    assert [done.cached_tokens for *_, done in turns] == [0, len(turns[0][0]), len(turns[1][0])]
-    assert disk.hits == 1 and device.misses == 1  # the third turn came from disk, after the restart
-    for prompt, starts, reply, _ in turns:
-        assert reply == fresh(subject, prompt, SEEDED, starts)
-
-
-def kept_image(subject, prompt, cuts, at) -> bytes:
-    """The image of a fresh prefill of prompt[:at] cut at `cuts`, read out of a fresh store."""
-    kv = subject.store(1, CONTEXT)
-    kit.prefill(subject, kv, 0, prompt, 0, at, [c for c in cuts if c <= at])
-    return read_out(kv, 0, at, subject.declarations.image).to_bytes()
-
-
-def check_state_bytes(subject, tmp_path) -> None:
-    mem = memory(subject)
-    disk = open_disk(subject, mem, tmp_path)
-    eng = disk_engine(subject, mem, disk)
-    eng.start()
-    try:
-        (prompt, starts, _, _), = chat(eng, disk, [], USERS[:1])
-    finally:
-        eng.close()
-    disk = open_disk(subject, mem, tmp_path)
-    (entry,) = disk.store.entries()
-    written = disk.store.read(entry).to_bytes()
-    assert written == kept_image(subject, prompt, plan_cuts(len(prompt), starts, CHUNK, MIN_CHUNK), entry.at)
-    nxt = prompt + tokens(9, 77)
-    state = disk.find(nxt, plan_cuts(len(nxt), (*starts, len(prompt)), CHUNK, MIN_CHUNK))
-    claim = mem.take("resumer", CONTEXT)
-    assert disk.restore(state, claim, "resumer") == entry.at == len(prompt)
-    assert read_out(mem.kv, claim.slot, entry.at, subject.declarations.image).to_bytes() == written
-    mem.release(claim)
-    disk.close()
+    engine_gates.check_disk_resume_across_restart(subject, RIG, tmp_path, SEEDED, tokens, USERS, pages=pages)
 
 
 def test_the_state_on_disk_is_a_fresh_prefills_image_and_comes_back_byte_equal(subject, tmp_path):
-    check_state_bytes(subject, tmp_path)
+    engine_gates.check_disk_image(subject, RIG, tmp_path, SEEDED, tokens, USERS[0])
 
 
 def test_qwen_fixed_states_on_disk_are_a_fresh_prefills_and_come_back_byte_equal(tmp_path):
@@ -128,19 +47,15 @@ def test_qwen_fixed_states_on_disk_are_a_fresh_prefills_and_come_back_byte_equal
     family.make_tiny(tmp_path / "m", seed=3)
     subject = kit.load(family, tmp_path / "m")
     assert any(layer.fixed for layer in subject.declarations.layout.layers)
-    check_state_bytes(subject, tmp_path / "learned")
+    engine_gates.check_disk_image(subject, RIG, tmp_path / "learned", SEEDED, tokens, USERS[0])
 
 
 def test_a_declined_read_prefills_and_equals_a_fresh_run(subject, tmp_path):
     mem = memory(subject)
     disk = open_disk(subject, mem, tmp_path, read_bytes_per_s=1.0, prefill_rows_per_s=1e9)
     host = HostTier(mem, budget=1)  # refuses everything: states go to the disk
-    eng = disk_engine(subject, mem, disk, host=host)
-    eng.start()
-    try:
-        turns = chat(eng, disk, [], USERS[:2])
-    finally:
-        eng.close()
+    with running(disk_engine(subject, mem, disk, host=host)) as eng:
+        turns = disk_chat(eng, disk, Chat(tokens), SEEDED, USERS[:2]).turns
     assert [done.cached_tokens for *_, done in turns] == [0, 0] and disk.declined == 1 and disk.hits == 0
     assert host.refused >= 1 and disk.stats().kept >= 1
     for prompt, starts, reply, _ in turns:

@@ -8,12 +8,27 @@ from __future__ import annotations
 import logging
 
 import pytest
-from resume_cases import CHUNK, MIN_CHUNK, PAGE_ROWS, REPLY, USERS, Client, ask, converse, engine, fresh, memory, tokens
+from resume_cases import (
+    CHUNK,
+    MIN_CHUNK,
+    PAGE_ROWS,
+    REPLY,
+    RIG,
+    USERS,
+    Client,
+    ask,
+    converse,
+    engine,
+    fresh,
+    memory,
+    tokens,
+)
 
 from tensorfold.engine.api import KeepMarks, Sampling
 from tensorfold.engine.runner import Engine
 from tensorfold.plugins import load_families
-from tensorfold.testing import kit
+from tensorfold.testing import engine_gates, kit
+from tensorfold.testing.engine_gates import Chat
 from tensorfold.tiers import DeviceTier, HostTier
 from tensorfold.tiers.policy import HISTORY, REWIND, SYSTEM
 
@@ -28,67 +43,20 @@ def subject(example, tiny_dir):
     return kit.load(example, tiny_dir)
 
 
-class Conversation:
-    """A chat of user messages and replies as raw tokens: each turn's prompt is the last prompt + its reply + a new
-    user message; starts at every message, the rewind mark at the new user message."""
-
-    def __init__(self, name: str, salt: int) -> None:
-        self.name, self.salt = name, salt
-        self.prompt: tuple[int, ...] = ()
-        self.starts: tuple[int, ...] = ()
-        self.turns: list[tuple[tuple[int, ...], tuple[int, ...], list[int], object]] = []
-
-    def turn(self, eng: Engine, sampling: Sampling, user: int):
-        if self.turns:
-            self.starts += (len(self.prompt),)
-            self.prompt += tuple(self.turns[-1][2])
-            self.starts += (len(self.prompt),)
-        marks = KeepMarks(rewind=len(self.prompt) or None)
-        self.prompt += tokens(user, self.salt + len(self.turns))
-        client = Client(f"{self.name}{len(self.turns)}", self.prompt, sampling, self.starts, marks=marks)
-        done = ask(eng, client)
-        self.turns.append((self.prompt, self.starts, client.tokens, done))
-        return done
-
-
 def check_fresh(subject, conversations, sampling) -> None:
     for conversation in conversations:
-        for k, (prompt, starts, reply, _) in enumerate(conversation.turns):
-            assert reply == fresh(subject, prompt, sampling, starts), f"{conversation.name} turn {k} differs"
+        conversation.check_fresh(subject, RIG, sampling)
 
 
 def check_memory(mem, eng: Engine) -> None:
-    mem.check_integrity()
-    for tier in eng.tiers:
-        tier.check_integrity()
-    assert mem.slots.free == mem.slots.count
-    if mem.pool is not None:
-        assert mem.pool.free + mem.pool.kept == mem.pool.total and mem.pool.snapshot()["leases"] == 0
+    engine_gates.check_memory(mem, eng.tiers)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("pages", [True, False], ids=["pages", "windows"])
 def test_two_chats_on_a_small_device_tier_resume_from_the_host_as_fresh_runs(subject, pages, sampling, caplog):
     caplog.set_level(logging.INFO, logger=SCHEDULER_LOG)
-    mem = memory(subject, pages=pages)
-    layout = subject.declarations.layout
-    device = DeviceTier(mem, budget=layout.stream_bytes(60))  # one first turn's state fits, two do not
-    host = HostTier(mem, budget=BIG)
-    eng = engine(subject, mem, device, host)
-    one, two = Conversation("one", 0), Conversation("two", 50)
-    eng.start()
-    try:
-        assert one.turn(eng, sampling, 45).cached_tokens == 0
-        assert two.turn(eng, sampling, 45).cached_tokens == 0  # kept on the device: one's state goes to the host
-        assert [s.tokens[:45] for s in host.states] == [one.prompt[:45]] and device.evicted == 1
-        assert one.turn(eng, sampling, 30).cached_tokens == 45
-        assert host.hits == 1
-        assert two.turn(eng, sampling, 30).cached_tokens == 45
-        assert one.turn(eng, sampling, 27).cached_tokens == len(one.turns[1][0])
-        check_memory(mem, eng)
-    finally:
-        eng.close()
-    check_fresh(subject, (one, two), sampling)
+    mem, device, host, one, two = engine_gates.chats_through_host(subject, RIG, sampling, tokens, pages, last=27)
     assert host.hits >= 3 and host.kept_total >= 3 and device.refused >= 1  # an 85-row state is too large there
     assert host.stats().cached_tokens + device.stats().cached_tokens == 45 + 45 + len(one.turns[1][0])
     assert f"one1: resumed at 45 of {len(one.turns[1][0])} from host" in caplog.text
@@ -122,7 +90,7 @@ def test_admission_pressure_moves_kept_states_to_the_host_instead_of_dropping_th
     mem = memory(subject, parallel=1, total=total)
     device, host = DeviceTier(mem, budget=BIG), HostTier(mem, budget=BIG)
     eng = engine(subject, mem, device, host)
-    chat = Conversation("chat", 5)
+    chat = Chat(tokens, 5, "chat")
     eng.start()
     try:
         for user in USERS:
@@ -182,7 +150,7 @@ def test_qwen_fixed_states_come_back_from_the_host_as_a_fresh_run_has_them(tmp_p
     device = DeviceTier(mem, budget=subject.declarations.layout.stream_bytes(60))
     host = HostTier(mem, budget=BIG, piece_bytes=4096)
     eng = engine(subject, mem, device, host)
-    one, two = Conversation("one", 0), Conversation("two", 50)
+    one, two = Chat(tokens, 0, "one"), Chat(tokens, 50, "two")
     eng.start()
     try:
         for user in (41, 22):

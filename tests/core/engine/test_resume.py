@@ -11,6 +11,7 @@ from resume_cases import (
     MIN_CHUNK,
     PAGE_ROWS,
     REPLY,
+    RIG,
     USERS,
     Client,
     ask,
@@ -22,8 +23,7 @@ from resume_cases import (
 )
 
 from tensorfold.engine.api import Request, Sampling
-from tensorfold.engine.cuts import is_cut
-from tensorfold.testing import kit
+from tensorfold.testing import engine_gates, kit
 from tensorfold.tiers import DeviceTier
 
 
@@ -37,30 +37,7 @@ def subject(example, tiny_dir):
                          ids=["greedy", "seeded"])
 @pytest.mark.parametrize("pages", [True, False], ids=["pages", "windows"])
 def test_each_turn_resumes_and_equals_a_fresh_run(subject, sampling, pages):
-    mem = memory(subject, pages=pages)
-    tier = DeviceTier(mem, budget=1 << 30)
-    eng = engine(subject, mem, tier)
-    eng.start()
-    try:
-        turns = converse(eng, sampling)
-    finally:
-        eng.close()
-    previous = 0
-    for k, (prompt, starts, reply, done) in enumerate(turns):
-        assert len(reply) == REPLY and reply == fresh(subject, prompt, sampling, starts), f"turn {k} differs"
-        # it resumes at the end of the previous turn's prompt: a start, and a cut of its own cold pass
-        assert done.cached_tokens == previous and done.prompt_tokens == len(prompt)
-        assert previous == 0 or is_cut(previous, len(prompt), starts, CHUNK, MIN_CHUNK)
-        previous = len(prompt)
-    assert tier.hits == 2
-    mem.check_integrity()
-    tier.check_integrity()
-    if pages:
-        assert mem.pool.free + mem.pool.kept == mem.pool.total and mem.pool.kept > 0
-        assert mem.pool.snapshot()["leases"] == 0
-    tier.clear()
-    mem.check_integrity()
-    assert mem.slots.free == mem.slots.count and (mem.pool is None or mem.pool.free == mem.pool.total)
+    engine_gates.check_device_resume(subject, RIG, sampling, tokens, USERS, pages=pages)
 
 
 def test_a_resume_shares_the_kept_pages_and_restores_them_byte_equal(subject):
