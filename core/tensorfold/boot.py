@@ -91,6 +91,7 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--host-cache-gib {settings.host_cache_gib} must be 0 (off) or above")
     if settings.kv_gib is not None and settings.kv_gib <= 0:
         found.append(f"--kv-gib {settings.kv_gib} must be above 0")
+    found += server_refusals(settings)
     found += learn_refusals(settings)
     if settings.dtype not in ("auto", *DTYPES):
         found.append(f"--dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
@@ -106,6 +107,23 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--family {family.name} serves {', '.join(family.model_types)}, but the checkpoint at "
                      f"{checkpoint.directory} is model_type {checkpoint.model_type!r}")
     return [Refusal("core", message) for message in found]
+
+
+def server_refusals(settings: Settings) -> list[str]:
+    """The HTTP front door's limits and access settings."""
+    found = []
+    if settings.max_request_bytes is not None and settings.max_request_bytes < 1024:
+        found.append(f"--max-request-bytes {settings.max_request_bytes} must be at least 1024")
+    if settings.header_timeout_s <= 0:
+        found.append(f"--header-timeout {settings.header_timeout_s:g} must be above 0 seconds")
+    if settings.body_timeout_s <= 0:
+        found.append(f"--body-timeout {settings.body_timeout_s:g} must be above 0 seconds")
+    if settings.max_connections < 1:
+        found.append(f"--max-connections {settings.max_connections} must be at least 1")
+    if settings.isolate_cache_by_key and not settings.api_keys:
+        found.append("--isolate-cache-by-key needs API keys (--api-key, --api-key-file or TF_API_KEY): without "
+                     "them every request has the same key")
+    return found
 
 
 def learn_refusals(settings: Settings) -> list[str]:
@@ -276,6 +294,7 @@ def boot(settings: Settings, family: Family) -> Loaded:
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
                       request_starts=settings.switch(family.request_starts_switch),
+                      isolate_by_key=settings.isolate_cache_by_key,
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON"),
                             "prompt_cache_gib": settings.prompt_cache_gib, "host_cache_bytes": host_bytes,

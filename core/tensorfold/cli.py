@@ -15,10 +15,13 @@ from tensorfold import learned_cli
 from tensorfold.family import PluginError
 from tensorfold.refusals import Refused
 from tensorfold.settings import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_CONTEXT,
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_LEARN_BLOCK_ROWS,
     DEFAULT_LEARN_GIB,
     DEFAULT_LEARN_MIN_FREE_GIB,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MIN_CHUNK,
     DEFAULT_PAGE_ROWS,
     DEFAULT_PREFILL_CHUNK,
@@ -65,6 +68,36 @@ LearnDailyOpt = Annotated[float | None, typer.Option("--learn-daily-gib", help="
                                                      "day (default: no limit); past it states stay in RAM only.")]
 LearnFreeOpt = Annotated[float, typer.Option("--learn-min-free-gib", help="Writing pauses while the disk has less "
                                              "free space than this, in GiB; serving goes on.")]
+
+MaxBytesOpt = Annotated[int | None, typer.Option("--max-request-bytes", help="Largest request body in bytes; a larger "
+                                                 "one is refused with 413 before it is read (default: 64 bytes per "
+                                                 "context token, at least 1 MiB).")]
+ApiKeyOpt = Annotated[list[str] | None, typer.Option("--api-key", help="A key clients must send (Authorization: "
+                                                     "Bearer KEY, or x-api-key: KEY); repeat for several. TF_API_KEY "
+                                                     "adds one from the environment. Default: no key asked.")]
+ApiKeyFileOpt = Annotated[Path | None, typer.Option("--api-key-file", help="A file of API keys, one per line (# "
+                                                    "starts a comment).")]
+MetricsOpenOpt = Annotated[bool, typer.Option("--metrics-open", help="With API keys: let /metrics answer without "
+                                              "one (for a scraper).")]
+AllowedHostsOpt = Annotated[list[str] | None, typer.Option("--allowed-hosts", help="Host header values accepted "
+                                                           "besides the bound address (repeat, or comma-separate); "
+                                                           "checked when serving on loopback, against DNS "
+                                                           "rebinding. * accepts any.")]
+IsolateOpt = Annotated[bool, typer.Option("--isolate-cache-by-key", help="Keep prompt states apart per API key: a "
+                                          "request resumes only from states its own key made.")]
+SpecialOpt = Annotated[bool, typer.Option("--special-tokens-in-content/--no-special-tokens-in-content",
+                                          help="Whether special tokens typed in chat message content are read as "
+                                          "special tokens (as the template's own are) or kept as plain text.")]
+HeaderTimeoutOpt = Annotated[float, typer.Option("--header-timeout", help="Seconds a connection may take to send "
+                                                 "its request line and headers; then it is closed.")]
+BodyTimeoutOpt = Annotated[float, typer.Option("--body-timeout", help="Seconds a request may take to send its "
+                                               "body; then 408.")]
+MaxConnectionsOpt = Annotated[int, typer.Option("--max-connections", help="Connections served at once; past it, "
+                                                "503.")]
+
+
+def _hosts(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(h.strip() for v in values or () for h in v.split(",") if h.strip())
 
 
 def _parallel(value: str) -> int | None:
@@ -113,6 +146,16 @@ def serve(
     learn_min_free_gib: LearnFreeOpt = DEFAULT_LEARN_MIN_FREE_GIB,
     served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: dir name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
+    max_request_bytes: MaxBytesOpt = None,
+    api_key: ApiKeyOpt = None,
+    api_key_file: ApiKeyFileOpt = None,
+    metrics_open: MetricsOpenOpt = False,
+    allowed_hosts: AllowedHostsOpt = None,
+    isolate_cache_by_key: IsolateOpt = False,
+    special_tokens_in_content: SpecialOpt = True,
+    header_timeout: HeaderTimeoutOpt = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout: BodyTimeoutOpt = DEFAULT_BODY_TIMEOUT_S,
+    max_connections: MaxConnectionsOpt = DEFAULT_MAX_CONNECTIONS,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve a checkpoint over the OpenAI-compatible HTTP API."""
@@ -125,7 +168,13 @@ def serve(
                                      kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib,
                                      host_cache_gib=host_cache_gib, learn=learn_conversations, learn_dir=learn_dir,
                                      learn_block_rows=learn_block_rows, learn_gib=learn_gib,
-                                     learn_daily_gib=learn_daily_gib, learn_min_free_gib=learn_min_free_gib)
+                                     learn_daily_gib=learn_daily_gib, learn_min_free_gib=learn_min_free_gib,
+                                     max_request_bytes=max_request_bytes, api_key=api_key or (),
+                                     api_key_file=api_key_file, metrics_open=metrics_open,
+                                     allowed_hosts=_hosts(allowed_hosts), isolate_cache_by_key=isolate_cache_by_key,
+                                     special_tokens_in_content=special_tokens_in_content,
+                                     header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                     max_connections=max_connections)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)

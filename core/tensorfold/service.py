@@ -39,3 +39,4 @@ class Service:
     defaults: Sampling
     plan: dict[str, Any] = attrs.field(factory=dict)
     request_starts: bool = False
+    isolate_by_key: bool = False  # --isolate-cache-by-key: a request's partition names its API key

@@ -18,6 +18,12 @@ DEFAULT_PROMPT_CACHE_GIB = 1.0  # kept prompt states (the device tier); 0 turns 
 DEFAULT_LEARN_BLOCK_ROWS = 256  # rows per shared block of the rows store on disk
 DEFAULT_LEARN_GIB = 32.0        # the rows store's cap, every identity together
 DEFAULT_LEARN_MIN_FREE_GIB = 4.0  # writing pauses below this much free disk; serving goes on
+MIN_REQUEST_BYTES = 1 << 20       # the smallest default body limit, whatever the context
+REQUEST_BYTES_PER_TOKEN = 64      # the default body limit's allowance per context token (text, JSON, escapes)
+DEFAULT_HEADER_TIMEOUT_S = 10.0   # a connection that has not sent its whole request head by then is closed
+DEFAULT_BODY_TIMEOUT_S = 30.0     # a request whose body has not arrived whole by then is answered 408
+DEFAULT_MAX_CONNECTIONS = 512     # connections (and their tasks) served at once; past it, 503
+API_KEY_ENV = "TF_API_KEY"        # one API key from the environment (kept out of the process list)
 CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
     ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
@@ -41,6 +47,36 @@ def read_switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
     if value in FALSE:
         return False
     raise SwitchError(f"{name}={raw!r} is neither on (1, true, on, yes) nor off (0, false, off, no)")
+
+
+def read_api_keys(environ: Mapping[str, str], keys: Iterable[str] = (), key_file: Path | None = None) -> tuple[
+        str, ...]:
+    """The API keys: each --api-key, every non-blank, non-# line of --api-key-file, and TF_API_KEY; ValueError
+    naming the file or flag at fault."""
+    found = [k.strip() for k in keys]
+    if key_file is not None:
+        try:
+            text = Path(key_file).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--api-key-file {key_file} cannot be read: {getattr(err, 'strerror', None) or err}") \
+                from err
+        lines = [line.strip() for line in text.splitlines()]
+        from_file = [line for line in lines if line and not line.startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-key-file {key_file} holds no key (one per line; # starts a comment)")
+        found += from_file
+    if environ.get(API_KEY_ENV, "").strip():
+        found.append(environ[API_KEY_ENV].strip())
+    for key in found:
+        if not key or any(c.isspace() for c in key) or not key.isprintable():
+            raise ValueError("an API key must be printable text without spaces (--api-key, --api-key-file, "
+                             f"{API_KEY_ENV})")
+    return tuple(dict.fromkeys(found))
+
+
+def default_request_bytes(context: int) -> int:
+    """--max-request-bytes when not given: room for a prompt that fills the context, written as text or ids."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * context)
 
 
 def cache_home(environ: Mapping[str, str]) -> Path:
@@ -77,6 +113,20 @@ class Settings:
     learn_min_free_gib: float = DEFAULT_LEARN_MIN_FREE_GIB
     cache_dir: Path = attrs.field(factory=lambda: cache_home(os.environ))
     switches: Mapping[str, bool] = attrs.field(factory=lambda: dict(CORE_SWITCHES), converter=dict)
+    max_request_bytes: int | None = None   # None: default_request_bytes(context)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, repr=False)  # empty: no key asked
+    metrics_open: bool = False             # --metrics-open: /metrics answers without a key
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # Host names accepted besides ours
+    isolate_cache_by_key: bool = False     # kept states partitioned by the API key that made them
+    special_tokens_in_content: bool = True  # off: special tokens typed in message content stay text
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    @property
+    def request_bytes(self) -> int:
+        """The body size limit: --max-request-bytes, else derived from the context."""
+        return self.max_request_bytes if self.max_request_bytes is not None else default_request_bytes(self.context)
 
     @property
     def learn_root(self) -> Path:
@@ -97,7 +147,10 @@ class Settings:
         return self.switches[name]
 
 
-def read_settings(environ: Mapping[str, str], switch_defaults: Iterable[tuple[str, bool]], **flags: object) -> Settings:
-    """Build the record from parsed flags and the environment; the only place TF_* switches are read."""
+def read_settings(environ: Mapping[str, str], switch_defaults: Iterable[tuple[str, bool]], *,
+                  api_key: Iterable[str] = (), api_key_file: Path | None = None, **flags: object) -> Settings:
+    """Build the record from parsed flags and the environment; the only place TF_* switches and TF_API_KEY are
+    read, and where --api-key-file is read (once)."""
     switches = {name: read_switch(environ, name, default) for name, default in (*CORE_SWITCHES, *switch_defaults)}
-    return Settings(cache_dir=cache_home(environ), switches=switches, **flags)
+    return Settings(cache_dir=cache_home(environ), switches=switches,
+                    api_keys=read_api_keys(environ, api_key, api_key_file), **flags)

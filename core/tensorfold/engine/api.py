@@ -62,7 +62,8 @@ class KeepMarks:
 class Request:
     """A prompt to continue; `on_event` is called from the engine thread and must not block. `starts` are the
     prompt positions where requests (chat messages) start: prefill also cuts there (engine/cuts.py); empty, the
-    grid alone. `marks` say where states worth resuming at lie."""
+    grid alone. `marks` say where states worth resuming at lie. `partition` names the kept states it may resume
+    from and those it keeps: only states kept under the same partition (server/isolation.py)."""
 
     id: str
     prompt: tuple[int, ...] = attrs.field(converter=tuple)
@@ -71,6 +72,7 @@ class Request:
     cancelled: threading.Event = attrs.field(factory=threading.Event, repr=False)
     starts: tuple[int, ...] = attrs.field(default=(), converter=tuple, kw_only=True)
     marks: KeepMarks = attrs.field(factory=KeepMarks, kw_only=True)
+    partition: str = attrs.field(default="", kw_only=True)  # kept states' namespace: "" shared, else its own
 
     def cancel(self) -> None:
         """Ask the engine to stop this request at its next step (client gone, stop string seen)."""

@@ -62,7 +62,7 @@ class ClientGone(Exception):
 class Generation:
     """Submits one request and yields its Pieces then one Finish; cancels the engine's work when abandoned."""
 
-    def __init__(self, service: Service, params: Generate, prefix: str) -> None:
+    def __init__(self, service: Service, params: Generate, prefix: str, partition: str = "") -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.params = params
         self.text = StopText(service.tokenizer.decode, params.stop)
@@ -74,7 +74,8 @@ class Generation:
         self._since = 0  # token ids not yet handed out with a Piece
         self._check_at = self._loop.time() + POLL_S  # when to next ask whether the client is still there
         self.request = Request(id=self.id, prompt=params.prompt, sampling=params.sampling,
-                               on_event=self._on_event, starts=params.starts, marks=params.marks)
+                               on_event=self._on_event, starts=params.starts, marks=params.marks,
+                               partition=partition)
 
     def _on_event(self, event: Event) -> None:
         """Engine thread: hand the event to the loop; a loop already closed (shutdown) drops it."""

@@ -57,6 +57,7 @@ class Generate:
     return_token_ids: bool = False
     starts: tuple[int, ...] = ()  # where the chat's messages start in `prompt`, with the request-starts switch
     marks: KeepMarks = KeepMarks()  # where states are worth keeping (history, system and rewind), likewise
+    cache_salt: str | None = None  # kept states are shared only among requests with the same salt (and key)
 
 
 @attrs.frozen
@@ -153,7 +154,16 @@ def generate(body: Mapping[str, Any], service: Service, prompt: list[int], promp
     return Generate(model=service.model_name, prompt=tuple(prompt),
                     sampling=read_sampling(body, service, len(prompt), prompt_param), stop=read_stop(body),
                     stream=stream, include_usage=include_usage,
-                    return_token_ids=read_bool(body, "return_token_ids"))
+                    return_token_ids=read_bool(body, "return_token_ids"), cache_salt=read_salt(body))
+
+
+def read_salt(body: Mapping[str, Any]) -> str | None:
+    """`cache_salt` (as vLLM takes it): a non-empty string; requests share kept states only with equal salts."""
+    salt = read_str(body, "cache_salt")
+    if salt is not None and not salt:
+        raise bad_request("'cache_salt' must be a non-empty string (leave it out to share kept states)",
+                          "cache_salt")
+    return salt
 
 
 def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int, prompt_param: str) -> Sampling:

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from tensorfold.server.errors import ApiError, engine_failed
 from tensorfold.server.fields import parse_body
 from tensorfold.server.generation import ClientGone, EngineFailed, Finish, Generation
+from tensorfold.server.isolation import partition_of
 from tensorfold.server.metrics import metrics_endpoint
 from tensorfold.server.params import Generate, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from tensorfold.server.payloads import CHAT, TEXT, Shaper
@@ -28,7 +29,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 async def answer(request: Request, service: Service, params: Generate, kind: str, prefix: str) -> Response:
     """Submit and answer: an SSE stream, or one JSON object once the engine is done."""
-    generation = Generation(service, params, prefix)
+    key = getattr(request.state, "api_key_id", None) if service.isolate_by_key else None
+    generation = Generation(service, params, prefix, partition_of(params.cache_salt, key))
     shaper = Shaper(kind, generation.id, params.model, params.return_token_ids)
     generation.submit()
     if params.stream:
