@@ -284,6 +284,14 @@ def test_router_ties_go_to_the_lower_index():
     assert torch.equal(choose(scores, torch.zeros(288), 8, 1, 1), ref)
 
 
+def same_row(alone: torch.Tensor, batched: torch.Tensor) -> bool:
+    """Bitwise on the GPU. torch's CPU elementwise kernels run a vectorised body and a scalar tail, so where a row
+    falls in the batch (and the machine's vector width) may move its last bits there: within 1e-6 on the CPU."""
+    if alone.device.type == "cuda":
+        return torch.equal(alone, batched)
+    return alone.dtype == batched.dtype and torch.allclose(alone.float(), batched.float(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_by_row_parts_are_batch_invariant(hf, dtype):
     """A row alone gives the same bits as inside a batch for everything but the GEMMs."""
@@ -303,10 +311,10 @@ def test_row_by_row_parts_are_batch_invariant(hf, dtype):
     for t in (0, 3, 6):
         one = slice(t, t + 1)
         p, q, c = hc_coefficients(hc, mixes[one], ITERS, HC_EPS)
-        assert torch.equal(p, pre[one]) and torch.equal(q, post[one]) and torch.equal(c, comb[one])
+        assert same_row(p, pre[one]) and same_row(q, post[one]) and same_row(c, comb[one])
         alone = (collapse(p, streams[one]), hc_post(out[one], streams[one], q, c), hc_head(streams[one]))
-        assert all(torch.equal(a, b[one]) for a, b in zip(alone, whole, strict=True))
-        assert torch.equal(routed_experts(w, x[one], weights[one], chosen[one], LIMIT), routed[one])
+        assert all(same_row(a, b[one]) for a, b in zip(alone, whole, strict=True))
+        assert same_row(routed_experts(w, x[one], weights[one], chosen[one], LIMIT), routed[one])
 
 
 def test_whole_functions_deterministic_and_near_batch_invariant(hf):
