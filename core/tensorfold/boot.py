@@ -139,22 +139,42 @@ def learn_refusals(settings: Settings) -> list[str]:
     if settings.learn_min_free_gib < 0:
         found.append(f"--learn-min-free-gib {settings.learn_min_free_gib} must be 0 or above")
     if settings.learn:
-        root = settings.learn_root
-        try:
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as err:
-            found.append(f"--learn-dir {root} cannot be created: {err.strerror or err}")
-        else:
-            if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-                found.append(f"--learn-dir {root} is not writable by this user")
-            else:
-                found += _lock_refusal(root)
+        found += _root_refusals(settings.learn_root)
     return found
 
 
-def _lock_refusal(root: Path) -> list[str]:
-    """Whether another server holds the rows store's lock now (it is taken for good when the store opens)."""
+def _root_refusals(root: Path) -> list[str]:
+    """--learn-dir as the file system holds it: a directory of its own (made mode 0700 when missing; not the working
+    directory, `/` or a file), ours and closed to group and others (set to 0700 when it is ours: rows/guard.py),
+    readable and writable (a read-only file system is served, writing nothing), and its lock free. A disk too full
+    (or read-only) to make it is no refusal: the server starts without the disk tier (build_disk says why)."""
     from tensorfold.rows.api import StoreRefused
+    from tensorfold.rows.guard import guard_root, no_room, path_problem, read_only
+
+    problem = path_problem(root)
+    if problem is not None:
+        return [f"--learn-dir: {problem}"]
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        return [] if no_room(err) else [f"--learn-dir {root} cannot be created: {err.strerror or err}"]
+    if not os.access(root, os.R_OK | os.X_OK) or not (os.access(root, os.W_OK) or read_only(root)):
+        return [f"--learn-dir {root} is not writable by this user"]
+    try:
+        guard_root(root, create=False)
+    except StoreRefused as err:
+        return [f"--learn-dir: {err}"]
+    except OSError as err:
+        return [f"--learn-dir {root}: {err.strerror or err}"]
+    return _lock_refusal(root)
+
+
+def _lock_refusal(root: Path) -> list[str]:
+    """Whether another server holds the rows store's lock now, or the lock is a link or not a regular file (it is
+    taken for good when the store opens; a disk too full or read-only to make it is no refusal: the store then
+    writes nothing)."""
+    from tensorfold.rows.api import StoreRefused
+    from tensorfold.rows.guard import no_room
     from tensorfold.rows.root import release_lock, take_lock
 
     try:
@@ -162,6 +182,8 @@ def _lock_refusal(root: Path) -> list[str]:
     except StoreRefused as err:
         return [f"--learn-dir: {err}"]
     except OSError as err:
+        if no_room(err):
+            return []
         return [f"--learn-dir {root}: its lock cannot be taken: {err.strerror or err}"]
     return []
 
@@ -311,15 +333,27 @@ def boot(settings: Settings, family: Family) -> Loaded:
 
 
 def build_disk(settings: Settings, checkpoint: Checkpoint, declarations: Declarations, model: FamilyModel,
-               memory: StreamMemory, dtype: torch.dtype, device: torch.device) -> DiskTier:
+               memory: StreamMemory, dtype: torch.dtype, device: torch.device) -> DiskTier | None:
     """The disk tier: the probe and the identity, the rows store (refused by name when locked or of another
-    format), and the payoff rule's inputs measured once: the store's read bandwidth and the model's prefill rate."""
+    format; writing nothing, said once, when the disk is full or read-only; None, said once, when such a disk
+    cannot even make --learn-dir), and the payoff rule's inputs measured once: the store's read bandwidth and the
+    model's prefill rate."""
     from functools import partial
 
     from tensorfold.image import row_offset
     from tensorfold.rows.api import StoreRefused
+    from tensorfold.rows.guard import no_room
     from tensorfold.rows.identity import identity_facts, prefill_rate, probe_hash, probe_rows, room
     from tensorfold.rows.store import RowsStore
+
+    try:
+        settings.learn_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        if not no_room(err):
+            raise
+        log.warning("kept prompt states on disk: none: --learn-dir %s cannot be made: %s; serving goes on",
+                    settings.learn_root, err)
+        return None
 
     chunk = probe_rows(memory, settings.min_chunk, settings.prefill_chunk, settings.context)
     facts = identity_facts(checkpoint, declarations, dtype, device, probe_hash(model, memory, declarations, chunk))
@@ -350,7 +384,8 @@ def learn_plan(settings: Settings, disk: DiskTier | None) -> dict[str, object]:
             "learn_daily_bytes": disk.store.daily_bytes, "learn_min_free_bytes": disk.store.min_free_bytes,
             "learn_read_bytes_per_s": round(disk.read_bytes_per_s),
             "learn_prefill_rows_per_s": round(disk.prefill_rows_per_s),
-            "learn_verify": disk.verify}
+            "learn_verify": disk.verify, "learn_writes": disk.store.writes_off is None,
+            "learn_writes_off": disk.store.writes_off}
 
 
 def disk_line(disk: DiskTier) -> str:
@@ -358,4 +393,5 @@ def disk_line(disk: DiskTier) -> str:
     stats = disk.store.stats()
     return (f"{disk.store.directory} ({stats.states} states, {size(stats.bytes)} of {size(stats.budget)}); "
             f"reads {size(disk.read_bytes_per_s)}/s, prefill {disk.prefill_rows_per_s:,.0f} rows/s"
-            f"{'; TF_IMPRINT_VERIFY on' if disk.verify else ''}")
+            f"{'; TF_IMPRINT_VERIFY on' if disk.verify else ''}"
+            f"{'; writes nothing (the warning above says why)' if disk.store.writes_off else ''}")

@@ -79,10 +79,11 @@ ApiKeyFileOpt = Annotated[Path | None, typer.Option("--api-key-file", help="A fi
                                                     "starts a comment).")]
 MetricsOpenOpt = Annotated[bool, typer.Option("--metrics-open", help="With API keys: let /metrics answer without "
                                               "one (for a scraper).")]
-AllowedHostsOpt = Annotated[list[str] | None, typer.Option("--allowed-hosts", help="Host header values accepted "
-                                                           "besides the bound address (repeat, or comma-separate); "
-                                                           "checked when serving on loopback, against DNS "
-                                                           "rebinding. * accepts any.")]
+AllowedHostsOpt = Annotated[list[str] | None, typer.Option("--allowed-hosts", help="Host header values answered "
+                                                           "besides the loopback names (repeat, or comma-separate), "
+                                                           "against DNS rebinding: on a loopback bind others are "
+                                                           "refused; on another bind, only when given. * accepts "
+                                                           "any.")]
 IsolateOpt = Annotated[bool, typer.Option("--isolate-cache-by-key", help="Keep prompt states apart per API key: a "
                                           "request resumes only from states its own key made.")]
 SpecialOpt = Annotated[bool, typer.Option("--special-tokens-in-content/--no-special-tokens-in-content",

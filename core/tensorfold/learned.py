@@ -3,17 +3,20 @@
     ls       every identity: its states, bytes, and the model it belongs to
     show     one identity (a hash prefix): its facts and every state (rows, cuts, blocks, bytes, age, hits)
     verify   every byte of every file: trailers, hashes, the tokens against the names; nothing is removed
-    gc       under the store's lock: leftover `.part` files, states that fail their header checks, blocks no state
-             lists
+    gc       under the store's lock: leftover `.part` files, and everything verify finds: states that fail any
+             check (or list a block that does) with the blocks only they list, damaged blocks, blocks no state lists
     rm       under the store's lock: one identity (a hash prefix) or one state (a key prefix), with its blocks
 
 ls, show and verify take no lock, so they work beside a running server (a file it is writing may show as a
-`.part`); gc and rm are refused while a server holds the store.
+`.part`); gc and rm are refused while a server holds the store, and on a root another user could write to
+(rows/guard.py; a root of ours open to group or others is set to 0700 first).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -21,15 +24,11 @@ import attrs
 
 from tensorfold.rows.api import Damaged, StateEntry, StoreRefused
 from tensorfold.rows.assemble import check_names
-from tensorfold.rows.files import BLOCK, STATE, read_file
-from tensorfold.rows.root import (
-    is_identity,
-    leftover_parts,
-    list_identities,
-    release_lock,
-    take_lock,
-)
-from tensorfold.rows.shelf import Shelf
+from tensorfold.rows.files import BLOCK, STATE, read_file, real_dir
+from tensorfold.rows.guard import guard_root
+from tensorfold.rows.opening import remove_parts
+from tensorfold.rows.root import is_identity, list_identities, release_lock, take_lock
+from tensorfold.rows.shelf import Shelf, unlink
 
 
 @attrs.frozen
@@ -72,30 +71,54 @@ def age(seconds_then: float, now: float | None = None) -> str:
     return f"{int(delta)}s"
 
 
+@attrs.frozen
+class Damage:
+    """What a full check of one identity's indexed states found: every (file, problem), the states that fail or
+    list a block that fails, and the blocks that fail."""
+
+    problems: list[tuple[str, str]]
+    states: frozenset[str]
+    blocks: frozenset[str]
+
+
+def check_shelf(shelf: Shelf) -> Damage:
+    """Every indexed state of a loaded shelf and each block it lists (once), every byte: header and trailer, sha256,
+    the tokens against the state's name and its blocks' names; and blocks no state lists (a problem, not damage)."""
+    problems: list[tuple[str, str]] = []
+    states: set[str] = set()
+    failed: dict[str, bool] = {}
+    for entry in shelf.states.values():
+        path = shelf.state_path(entry.key)
+        try:
+            words, body = read_file(path, STATE)
+            check_names(path, shelf.directory.name, words, body, entry)
+        except Damaged as error:
+            problems.append((error.path or str(path), error.problem or str(error)))
+            states.add(entry.key)
+            continue
+        for name in entry.blocks:
+            if name not in failed:
+                block = shelf.block_path(name)
+                try:
+                    read_file(block, BLOCK)
+                    failed[name] = False
+                except Damaged as error:
+                    problems.append((error.path or str(block), error.problem or str(error)))
+                    failed[name] = True
+            if failed[name]:
+                states.add(entry.key)
+    for path in sorted((shelf.directory / "blocks").glob("*.blk")) if real_dir(shelf.directory / "blocks") else ():
+        if path.stem not in shelf.refs:
+            problems.append((str(path), "no state lists this block"))
+    return Damage(problems, frozenset(states), frozenset(n for n, bad in failed.items() if bad))
+
+
 def verify_identity(folder: Path) -> list[tuple[str, str]]:
     """(file, problem) for every file of one identity that fails: header and trailer, every byte's hash, the
     tokens against the state's name and its blocks' names, and blocks no state lists."""
     shelf = Shelf(folder)
     problems = shelf.load(None, repair=False)
-    identity = folder.name
-    for entry in shelf.states.values():
-        path = shelf.state_path(entry.key)
-        try:
-            words, body = read_file(path, STATE)
-            check_names(path, identity, words, body, entry)
-        except Damaged as error:
-            problems.append((error.path or str(path), error.problem or str(error)))
-            continue
-        for name in entry.blocks:
-            block = shelf.block_path(name)
-            try:
-                read_file(block, BLOCK)
-            except Damaged as error:
-                problems.append((error.path or str(block), error.problem or str(error)))
-    for path in sorted((folder / "blocks").glob("*.blk")) if (folder / "blocks").is_dir() else ():
-        if path.stem not in shelf.refs:
-            problems.append((str(path), "no state lists this block"))
-    return sorted(set(problems))
+    return sorted(set(problems + check_shelf(shelf).problems))
 
 
 def verify(root: Path) -> dict[str, list[tuple[str, str]]]:
@@ -104,21 +127,29 @@ def verify(root: Path) -> dict[str, list[tuple[str, str]]]:
 
 
 def gc(root: Path) -> dict[str, int]:
-    """Tidy the store under its lock: `.part` files, states that fail their header checks, orphan blocks.
-    Returns counts and bytes freed."""
+    """Tidy the store under its lock until verify finds nothing: `.part` files; states that fail a header check,
+    any byte's hash or their names, or list a block that fails, each with the blocks only it lists; the blocks that
+    fail; blocks no state lists. Returns counts and bytes freed."""
+    root = Path(root)
+    guard_root(root, create=False)
     fd = take_lock(root)
     try:
         before = _bytes(root)
-        parts = leftover_parts(root)
-        for path in parts:
-            path.unlink(missing_ok=True)
-        forgotten = orphans = 0
+        counts = {"parts": len(remove_parts(root)), "states_forgotten": 0, "damaged_blocks": 0, "orphan_blocks": 0}
         for folder in sorted(p for p in root.iterdir() if is_identity(p)):
+            if not (real_dir(folder / "states") and real_dir(folder / "blocks")):
+                continue
             shelf = Shelf(folder)
-            forgotten += len(shelf.load(None, repair=True))
-            orphans += shelf.orphans_removed
-        return {"parts": len(parts), "states_forgotten": forgotten, "orphan_blocks": orphans,
-                "bytes_freed": before - _bytes(root)}
+            counts["states_forgotten"] += len(shelf.load(None, repair=True))
+            counts["orphan_blocks"] += shelf.orphans_removed
+            damage = check_shelf(shelf)
+            for key in damage.states:
+                shelf.drop(key)
+            for name in damage.blocks:
+                unlink(shelf.block_path(name))
+            counts["states_forgotten"] += len(damage.states)
+            counts["damaged_blocks"] += len(damage.blocks)
+        return {**counts, "bytes_freed": before - _bytes(root)}
     finally:
         release_lock(fd)
 
@@ -127,6 +158,7 @@ def rm(root: Path, identity: str, state: str | None = None) -> int:
     """Remove one identity, or one of its states (a key prefix) with the blocks no other state lists, under the
     lock; returns the bytes freed."""
     chosen = pick(root, identity)
+    guard_root(Path(root), create=False)
     fd = take_lock(root)
     try:
         folder = root / chosen.name
@@ -147,8 +179,17 @@ def rm(root: Path, identity: str, state: str | None = None) -> int:
 
 
 def _bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes of the regular files under the root (no link followed)."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
-__all__ = ["Identity", "StoreRefused", "age", "describe_model", "gc", "identities", "pick", "rm", "verify",
-           "verify_identity"]
+__all__ = ["Damage", "Identity", "StoreRefused", "age", "describe_model", "check_shelf", "gc", "identities", "pick",
+           "rm", "verify", "verify_identity"]

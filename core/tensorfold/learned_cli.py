@@ -11,6 +11,7 @@ import typer
 
 from tensorfold import learned
 from tensorfold.rows.api import StoreRefused
+from tensorfold.rows.guard import path_problem
 from tensorfold.settings import read_settings
 
 app = typer.Typer(help="The kept states on disk (--learn-conversations): list, show, verify, tidy, remove.",
@@ -20,8 +21,13 @@ DirOption = typer.Option(None, "--learn-dir", help="the rows store's directory (
 
 
 def _root(directory: Path | None) -> Path:
-    """--learn-dir, or serve's default, resolved by the settings module (the one place the environment is read)."""
-    return read_settings(os.environ, (), learn_dir=directory).learn_root
+    """--learn-dir, or serve's default, resolved by the settings module (the one place the environment is read);
+    a path that can never be a store (empty: the working directory; `/`; a file) is refused by name."""
+    root = read_settings(os.environ, (), learn_dir=directory).learn_root
+    problem = path_problem(root)
+    if problem is not None:
+        raise typer.BadParameter(problem, param_hint="--learn-dir")
+    return root
 
 
 @app.command("ls")
@@ -76,13 +82,14 @@ def verify(learn_dir: Path | None = DirOption) -> None:
 
 @app.command("gc")
 def gc(learn_dir: Path | None = DirOption) -> None:
-    """Remove leftover .part files, states that fail their header checks and blocks no state lists."""
+    """Remove leftover .part files and everything verify finds: damaged states (and the states listing a damaged
+    block), damaged blocks, blocks no state lists."""
     try:
         done = learned.gc(_root(learn_dir))
     except StoreRefused as error:
         _refused(error)
     typer.echo(f"removed {done['parts']} .part files, {done['states_forgotten']} damaged states, "
-               f"{done['orphan_blocks']} orphan blocks; "
+               f"{done['orphan_blocks']} orphan blocks, {done['damaged_blocks']} damaged blocks; "
                f"{done['bytes_freed'] / 2**20:.1f} MiB freed")
 
 

@@ -14,15 +14,25 @@ class QueueFull(Exception):
     """More requests wait than --max-waiting allows; the client should retry later."""
 
 
+class EngineDead(Exception):
+    """The engine's step loop has stopped for good; the message says why. The server answers 503 and exits."""
+
+
 class Submitter(Protocol):
     """The engine as the server sees it."""
 
     def submit(self, request: Request) -> None:
-        """Queue a request; events reach request.on_event from the engine thread. Raises QueueFull."""
+        """Queue a request; events reach request.on_event from the engine thread. Raises QueueFull or
+        EngineDead."""
         ...
 
     def snapshot(self) -> dict[str, Any]:
         """Streams and memory now, for GET /memory."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped for good (then /health is 503 and submit raises EngineDead); None while it runs."""
         ...
 
 

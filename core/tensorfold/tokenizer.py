@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ class ChatTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint needs a tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(path))
+        self.plain = Tokenizer.from_file(str(path))  # specials read as text: a copy, as encodes run in threads at once
+        self.plain.encode_special_tokens = True
+        specials = [t for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        self.special_ids = frozenset(self.tokenizer.token_to_id(t.content) for t in specials)
+        self.special_text = re.compile("|".join(re.escape(t.content) for t in specials)) if specials else None
         config_path = directory / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.template_source = self._template_source(directory)
@@ -47,9 +53,36 @@ class ChatTokenizer:
         """Ids the tokenizer knows, special tokens included."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text; special tokens written in the text are recognised (the template writes them)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        """Token ids of text; with `specials`, special tokens written in the text are recognised (the template
+        writes them), without, they are encoded as the plain text they are."""
+        return (self.tokenizer if specials else self.plain).encode(text, add_special_tokens=False).ids
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` holds the text of a special token (which `encode` would read as that token)."""
+        return self.special_text is not None and self.special_text.search(text) is not None
+
+    def encode_holes(self, text: str, holes: Mapping[str, str]) -> list[int]:
+        """Token ids of `text` with each key of `holes` (a marker standing where client text goes) replaced by its
+        value: special tokens in `text` itself are recognised, those in the values stay plain text.
+
+        `text` is split where its own special tokens stand, as `encode` splits before the pre-tokenizer; each piece
+        between them, markers replaced, is encoded with specials off. With values free of special-token text the
+        result is `encode` of the replaced text."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        at = 0
+        for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token in self.special_ids:
+                ids += self._plain_piece(text[at:start], holes) + [token]
+                at = end
+        return ids + self._plain_piece(text[at:], holes)
+
+    def _plain_piece(self, piece: str, holes: Mapping[str, str]) -> list[int]:
+        """One piece between the template's special tokens, client text filled in, specials off."""
+        for marker, value in holes.items():
+            piece = piece.replace(marker, value)
+        return self.encode(piece, specials=False) if piece else []
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ids, special tokens left out."""

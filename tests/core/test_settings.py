@@ -90,3 +90,49 @@ def test_a_negative_host_cache_is_refused_by_name(tmp_path):
     text = runner.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m"),
                                "--host-cache-gib", "0"]).output
     assert "host tier          off" in text
+
+
+# -- API keys: --api-key, --api-key-file and TF_API_KEY, read once ---------------------------------------------
+
+
+def test_api_keys_come_from_the_flags_the_file_and_the_environment_once_each(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nkey-b\n\n  key-c  \nkey-a\n")
+    settings = read_settings({"TF_API_KEY": "key-env"}, [], api_key=["key-a"], api_key_file=keys)
+    assert settings.api_keys == ("key-a", "key-b", "key-c", "key-env")
+    assert "key-a" not in repr(settings)  # keys never reach a log line through the record
+    assert read_settings({}, []).api_keys == ()
+
+
+@pytest.mark.parametrize("text, why", [("", "holds no key"), ("# only a comment\n", "holds no key"),
+                                       ("two words\n", "without spaces")])
+def test_an_api_key_file_without_usable_keys_is_refused_by_name(tmp_path, text, why):
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    with pytest.raises(ValueError, match=why):
+        read_settings({}, [], api_key_file=keys)
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_settings({}, [], api_key_file=tmp_path / "missing")
+
+
+def test_the_body_limit_defaults_from_the_context():
+    from tensorfold.settings import MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN, Settings
+
+    assert Settings(context=4096).request_bytes == MIN_REQUEST_BYTES
+    assert Settings(context=1 << 20).request_bytes == REQUEST_BYTES_PER_TOKEN << 20
+    assert Settings(context=4096, max_request_bytes=5000).request_bytes == 5000
+
+
+def test_front_door_settings_are_refused_together(tiny_dir):
+    from typer.testing import CliRunner
+
+    from tensorfold.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--family", "example", "--model", str(tiny_dir),
+                                      "--max-request-bytes", "10", "--header-timeout", "0", "--body-timeout", "-1",
+                                      "--max-connections", "0", "--isolate-cache-by-key"])
+    assert result.exit_code == 2
+    for said in ("--max-request-bytes 10 must be at least 1024", "--header-timeout 0 must be above 0",
+                 "--body-timeout -1 must be above 0", "--max-connections 0 must be at least 1",
+                 "--isolate-cache-by-key needs API keys"):
+        assert said in result.output

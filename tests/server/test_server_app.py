@@ -56,6 +56,11 @@ class Recording:
         """The engine's own numbers for /memory."""
         return self.engine.snapshot()
 
+    @property
+    def failure(self) -> str | None:
+        """The engine's own state, for /health."""
+        return self.engine.failure
+
     def wait_ended(self, request_id: str, timeout: float = 10.0) -> DoneEvent | ErrorEvent:
         """The event the engine ended `request_id` with, waiting for it if need be."""
         with self._changed:

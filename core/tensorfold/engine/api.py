@@ -48,6 +48,12 @@ class ErrorEvent:
 Event = TokenEvent | DoneEvent | ErrorEvent
 
 
+class DeviceLost(Exception):
+    """Raised by a family's forward when its device cannot compute any more (a lost GPU, a sticky kernel fault):
+    the engine stops for good, /health answers 503 and `serve` exits with status 3 for a supervisor to restart it
+    (docs/hooks.md). torch's own accelerator errors are read the same way."""
+
+
 @attrs.frozen
 class KeepMarks:
     """Prompt positions a later request may want to resume at, found by the server (None: not known); the engine

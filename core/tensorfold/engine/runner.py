@@ -1,5 +1,17 @@
 """The step loop: one thread that admits requests, runs steps that mix prefill chunks and decode rows, and
-reports events. It runs no hooks and no string lookups; the forward is resolved once at startup."""
+reports events. It runs no hooks and no string lookups; the forward is resolved once at startup.
+
+    a failure   fails only the requests it concerns, and the loop goes on: an admission that raises (a tier's
+                lookup or restore) fails its request; an exception in one stream's part after the forward (its
+                position, keeping its state, sampling, its event) fails that stream; the forward, or anything not
+                pinned on one stream, fails the streams of the step (before the plan exists: every running one).
+                A failed stream is released (slot and pages) once and gets one ErrorEvent; waiting requests stay
+    dead        the loop stops for good when it cannot go on: the device is lost (a family's DeviceLost or torch's
+                accelerator errors, anywhere in a step); memory integrity does not hold at the next idle moment
+                after a failure; FAILED_STEPS_DEAD steps in a row fail as a whole; or an exception escapes the
+                recovery. Then `failure` says why, every running, waiting and later request fails with it, and
+                `wait_failed` returns (launch.py: /health 503, the process exits with status 3)
+"""
 
 from __future__ import annotations
 
@@ -10,12 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, TokenEvent
+from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, TokenEvent
+from tensorfold.engine.failures import LoopStopped, death_reason, device_lost, failed_request, named
 from tensorfold.engine.memory import StreamMemory
+from tensorfold.engine.sampler import NonFiniteLogits
 from tensorfold.engine.scheduler import Scheduler
 from tensorfold.engine.stream import Stream
 from tensorfold.family import FamilyModel
-from tensorfold.service import QueueFull
+from tensorfold.service import EngineDead, QueueFull
 from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 if TYPE_CHECKING:
@@ -24,6 +38,7 @@ if TYPE_CHECKING:
     from tensorfold.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
+FAILED_STEPS_DEAD = 3  # whole steps failing in a row, none completing between: the loop does no useful work
 
 
 class Engine:
@@ -45,7 +60,12 @@ class Engine:
         self._lock = threading.Lock()
         self._stopping = False
         self.integrity = "not checked yet"
-        self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
+        self._failure: str | None = None
+        self._dead = threading.Event()
+        self._suspect: str | None = None  # the last failure recovered from, until the idle integrity check passes
+        self._failed_steps = 0            # steps failed as a whole since the last one that completed
+        self._step_streams: list[Stream] | None = None
+        self._thread = threading.Thread(target=self._run, name="tensorfold-engine", daemon=True)
 
     @property
     def tiers(self) -> tuple[DeviceTier | HostTier | DiskTier, ...]:
@@ -57,6 +77,16 @@ class Engine:
     def kv(self):
         """The store the forward reads and writes."""
         return self.memory.kv
+
+    @property
+    def failure(self) -> str | None:
+        """Why the step loop stopped for good; None while it runs (and before it starts)."""
+        return self._failure
+
+    def wait_failed(self, timeout: float | None = None) -> str | None:
+        """Block until the engine is dead (then its reason) or `timeout` seconds pass (then None)."""
+        self._dead.wait(timeout)
+        return self._failure
 
     def start(self) -> None:
         """Start the step loop thread."""
@@ -76,37 +106,63 @@ class Engine:
             self.scheduler.tiers.close()
 
     def submit(self, request: Request) -> None:
-        """Queue a request; raises QueueFull when --max-waiting requests already wait."""
+        """Queue a request; raises QueueFull when --max-waiting requests already wait, EngineDead once the loop
+        has stopped for good (put under the lock, so a dying engine finds every request queued before)."""
         with self._lock:
+            if self._failure is not None:
+                raise EngineDead(self._failure)
             if self._queued >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._queued += 1
-        self._inbox.put(request)
+            self._inbox.put(request)
+
+    def _run(self) -> None:
+        """The thread: the step loop until close(); whatever ends it otherwise leaves the engine dead."""
+        try:
+            with torch.inference_mode():
+                self._loop()
+        except BaseException as err:  # the thread would end: never leave a live server on a dead loop
+            self._die(err)
 
     def _loop(self) -> None:
-        with torch.inference_mode():
-            while not self._stopping:
-                idle = not self.scheduler.running and not self.scheduler.waiting
-                if idle:
-                    self._check_memory()
-                self._take_inbox(block=idle)
+        while not self._stopping:
+            idle = not self.scheduler.running and not self.scheduler.waiting
+            if idle:
+                self._check_memory()
+            self._take_inbox(block=idle)
+            try:
                 self._step()
-            for stream in list(self.scheduler.running):
-                self._end(stream, "cancelled")
+            except Exception as err:
+                self._step_failed(err)
+            finally:
+                self._step_streams = None
+        for stream in list(self.scheduler.running):
+            self._end(stream, "cancelled")
+        try:
             self.scheduler.shutdown()
+        except Exception:  # stopping anyway: the states not staged are lost, the engine did not fail
+            log.exception("staging the kept states for disk at shutdown failed")
 
     def _check_memory(self) -> None:
-        """With nothing running, every page and slot must be back; a failure is logged and shown on /memory."""
+        """With nothing running, every page and slot must be back; a failure is logged and shown on /memory, and
+        after a failure recovered from, it stops the loop (raises LoopStopped)."""
         try:
             self.memory.check_integrity()
             if self.scheduler.tiers is not None:
                 self.scheduler.tiers.check_integrity()
             if self.memory.slots.free != self.memory.slots.count:
                 raise AssertionError(f"{self.memory.slots.count - self.memory.slots.free} slots held with no stream")
-            self.integrity = "ok"
-        except AssertionError as err:
+        except Exception as err:
+            if device_lost(err):
+                raise
             log.error("memory integrity: %s", err)
-            self.integrity = str(err)
+            self.integrity = str(err) or type(err).__name__
+            if self._suspect is not None:
+                raise LoopStopped(f"memory integrity does not hold after a failure ({self._suspect}): "
+                                  f"{self.integrity}") from err
+            return
+        self.integrity = "ok"
+        self._suspect = None
 
     def _take_inbox(self, block: bool) -> None:
         while True:
@@ -120,38 +176,75 @@ class Engine:
                 return
             if not item.prompt or len(item.prompt) >= self.context:
                 self._dequeued()
-                item.on_event(ErrorEvent(f"prompt of {len(item.prompt)} tokens does not fit the context of "
-                                         f"{self.context}"))
+                self._tell(item, ErrorEvent(f"prompt of {len(item.prompt)} tokens does not fit the context of "
+                                            f"{self.context}"))
                 continue
             self.scheduler.waiting.append(item)
 
-    def _dequeued(self) -> None:
+    def _dequeued(self, count: int = 1) -> None:
         with self._lock:
-            self._queued -= 1
+            self._queued -= count
 
     def _step(self) -> None:
         self._reap_cancelled()
-        for _ in self.scheduler.admit():
-            self._dequeued()
+        self._admit()
         planned = self.scheduler.plan()
         if planned is None:
             return
         plan, streams = planned
-        try:
-            logits = self.model.forward(plan, self.memory.kv)
-        except Exception as err:
-            log.exception("step of %d streams failed", len(streams))
-            for stream in streams:
-                self._fail(stream, f"the engine failed this request: {type(err).__name__}: {err}")
-            return
+        self._step_streams = streams
+        logits = self.model.forward(plan, self.memory.kv)
+        self._failed_steps = 0
         row = 0
         for stream, share in zip(streams, plan.streams, strict=True):
-            stream.position = share.end
-            if share.start < stream.prompt_len:
-                self.scheduler.kept(stream, share.end)
-            if share.sample:
-                self._sampled(stream, logits[row])
-                row += 1
+            mine = row if share.sample else None
+            row += share.sample
+            try:
+                stream.position = share.end
+                if share.start < stream.prompt_len:
+                    self.scheduler.kept(stream, share.end)
+                if mine is not None:
+                    self._sampled(stream, logits[mine])
+            except Exception as err:
+                self._stream_failed(stream, err)
+
+    def _admit(self) -> None:
+        """Admit what fits; each admission that raised fails its request alone."""
+        waiting = len(self.scheduler.waiting)
+        try:
+            self.scheduler.admit()
+        finally:
+            self._dequeued(waiting - len(self.scheduler.waiting))
+            failed, self.scheduler.failed = self.scheduler.failed, []
+            for request, err in failed:
+                self._suspect = f"{request.id}: {named(err)}"
+                self._tell(request, ErrorEvent(failed_request(err)))
+        lost = next((err for _, err in failed if device_lost(err)), None)
+        if lost is not None:
+            raise lost
+
+    def _stream_failed(self, stream: Stream, err: Exception) -> None:
+        """One stream's part of a step raised: fail that stream; the others go on."""
+        if device_lost(err):
+            raise err
+        log.error("%s: failed: %s", stream.request.id, named(err),
+                  exc_info=None if isinstance(err, NonFiniteLogits) else err)
+        self._suspect = f"{stream.request.id}: {named(err)}"
+        self._fail(stream, failed_request(err))
+
+    def _step_failed(self, err: Exception) -> None:
+        """A step raised where no one stream is to blame: fail the streams of the step (every running one when
+        the plan was not made yet); stop the loop when the device is lost or steps keep failing."""
+        if device_lost(err):
+            raise err
+        self._failed_steps += 1
+        if self._failed_steps >= FAILED_STEPS_DEAD:
+            raise LoopStopped(f"{self._failed_steps} steps in a row failed, the last with {named(err)}") from err
+        streams = self._step_streams if self._step_streams is not None else list(self.scheduler.running)
+        log.error("a step of %d streams failed: %s", len(streams), named(err), exc_info=err)
+        self._suspect = f"a step: {named(err)}"
+        for stream in streams:
+            self._fail(stream, failed_request(err))
 
     def _reap_cancelled(self) -> None:
         for stream in list(self.scheduler.running):
@@ -160,7 +253,7 @@ class Engine:
         for request in [r for r in self.scheduler.waiting if r.cancelled.is_set()]:
             self.scheduler.waiting.remove(request)
             self._dequeued()
-            request.on_event(DoneEvent("cancelled", len(request.prompt), 0, 0))
+            self._tell(request, DoneEvent("cancelled", len(request.prompt), 0, 0))
 
     def _sampled(self, stream: Stream, logits: torch.Tensor) -> None:
         token = stream.sampler.sample(logits)
@@ -175,15 +268,56 @@ class Engine:
             stream.pending = token
 
     def _end(self, stream: Stream, reason: str) -> None:
-        self.scheduler.finish(stream)
-        stream.request.on_event(DoneEvent(reason, stream.prompt_len, stream.produced, stream.cached))
+        self._finish(stream, DoneEvent(reason, stream.prompt_len, stream.produced, stream.cached))
 
     def _fail(self, stream: Stream, message: str) -> None:
-        self.scheduler.finish(stream)
-        stream.request.on_event(ErrorEvent(message))
+        self._finish(stream, ErrorEvent(message))
+
+    def _finish(self, stream: Stream, event: Event) -> None:
+        """Take a stream out, return its slot and pages and send its last event: once, whatever raises."""
+        if stream.ended:
+            return
+        stream.ended = True
+        try:
+            self.scheduler.finish(stream)
+        except Exception as err:  # its memory may be half returned: the idle integrity check decides
+            log.error("%s: releasing it failed: %s", stream.request.id, named(err), exc_info=err)
+            self._suspect = f"{stream.request.id} released: {named(err)}"
+            if stream in self.scheduler.running:
+                self.scheduler.running.remove(stream)
+        self._tell(stream.request, event)
+
+    def _tell(self, request: Request, event: Event) -> None:
+        """A request's last event; a handler that raises is logged (it is the receiver's fault, not a step's)."""
+        try:
+            request.on_event(event)
+        except Exception:
+            log.exception("%s: its event handler raised on %s", request.id, type(event).__name__)
+
+    def _die(self, err: BaseException) -> None:
+        """The loop cannot go on: say why, and fail every request held, waiting or queued with that reason."""
+        reason = death_reason(err)
+        log.critical("the engine stopped: %s", reason, exc_info=err)
+        with self._lock:
+            self._failure = reason
+            self._stopping = True
+        self._dead.set()
+        event = ErrorEvent(f"the engine stopped: {reason}")
+        for stream in list(self.scheduler.running):
+            self._finish(stream, event)
+        while self.scheduler.waiting:
+            self._tell(self.scheduler.waiting.popleft(), event)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._tell(item, event)
 
     def snapshot(self) -> dict[str, object]:
-        """Streams and memory now, for /memory (read from another thread: numbers may be a step old)."""
+        """Streams and memory now, for /memory (read from another thread: numbers may be a step old); `failure`
+        says why the engine stopped for good (None while it runs)."""
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "integrity_when_idle": self.integrity, **self.memory.snapshot(),
+                "failure": self._failure, "integrity_when_idle": self.integrity, **self.memory.snapshot(),
                 **(self.scheduler.tiers.describe() if self.scheduler.tiers is not None else {})}

@@ -12,6 +12,7 @@
                 the least recently used, never the one it resumes from, before it waits
     keeping:    a prefilling stream's state is kept after the steps that end at its keep points: the last cut at
                 or before its history end, system end and rewind mark, at least min_chunk apart (tiers/policy.py)
+    partitions: a request looks up and keeps states in its own partition only (Request.partition)
 """
 
 from __future__ import annotations
@@ -56,28 +57,49 @@ class Scheduler:
         self.min_chunk = min_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Stream] = []
+        self.failed: list[tuple[Request, Exception]] = []  # admissions that raised, for the engine to fail
 
     def reach(self, request: Request) -> int:
         """Rows a request can reach: prompt + max_tokens, capped by the context."""
         return min(len(request.prompt) + request.sampling.max_tokens, self.context)
 
     def admit(self) -> list[Stream]:
-        """Admit waiting requests in order while a slot and their lease fit; the first that does not, waits."""
+        """Admit waiting requests in order while a slot and their lease fit; the first that does not, waits. A
+        request whose admission raises (a tier's lookup or restore) leaves the queue holding nothing and goes to
+        `failed` with its error, for the engine to fail; the requests after it are admitted as usual."""
         admitted = []
         while self.waiting and self.memory.slots.free > 0:
             request = self.waiting[0]
-            reach = self.reach(request)
-            cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
-            hit = self.tiers.lookup(request.prompt, cuts) if self.tiers is not None else None
-            shared = hit.state.pages if hit is not None else ()
-            if not self.memory.fits(reach, len(shared)) and self._evicting_helps(reach, len(shared)):
-                spare = hit.state if hit is not None else None
-                while not self.memory.fits(reach, len(shared)) and self.tiers.evict_one(spare):
-                    pass
-            if not self.memory.fits(reach, len(shared)):
+            try:
+                stream = self._admit_first(request)
+            except Exception as err:
+                if self.waiting and self.waiting[0] is request:
+                    self.waiting.popleft()
+                log.exception("%s: admission failed", request.id)
+                self.failed.append((request, err))
+                continue
+            if stream is None:
                 break
-            self.waiting.popleft()
-            claim = self.memory.take(request.id, reach, shared)
+            admitted.append(stream)
+        if admitted and self.tiers is not None:
+            self.tiers.ready()
+        return admitted
+
+    def _admit_first(self, request: Request) -> Stream | None:
+        """Admit `request`, the first waiting, or None when it does not fit yet; when it raises, it holds nothing."""
+        reach = self.reach(request)
+        cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
+        hit = self.tiers.lookup(request.prompt, cuts, request.partition) if self.tiers is not None else None
+        shared = hit.state.pages if hit is not None else ()
+        if not self.memory.fits(reach, len(shared)) and self._evicting_helps(reach, len(shared)):
+            spare = hit.state if hit is not None else None
+            while not self.memory.fits(reach, len(shared)) and self.tiers.evict_one(spare):
+                pass
+        if not self.memory.fits(reach, len(shared)):
+            return None
+        self.waiting.popleft()
+        claim = self.memory.take(request.id, reach, shared)
+        try:
             stream = Stream(request, claim, Sampler(request.sampling), cuts=cuts)
             if self.tiers is not None:
                 stream.position = stream.cached = self.tiers.admitted(hit, claim, request.id)
@@ -85,11 +107,11 @@ class Scheduler:
                 stream.keep_at = keep_points(cuts, len(request.prompt), marks.history, marks.system, marks.rewind,
                                              stream.position, self.min_chunk)
                 self._log_resume(stream, hit)
-            self.running.append(stream)
-            admitted.append(stream)
-        if admitted and self.tiers is not None:
-            self.tiers.ready()
-        return admitted
+        except BaseException:
+            self.memory.release(claim)
+            raise
+        self.running.append(stream)
+        return stream
 
     def _log_resume(self, stream: Stream, hit: Hit | None) -> None:
         rows = stream.prompt_len
@@ -113,7 +135,7 @@ class Scheduler:
         if self.tiers is None or why is None:
             return
         keep = self.tiers.keep_from(stream.claim, stream.request.prompt[:end],
-                                    tuple(c for c in stream.cuts if c <= end), why)
+                                    tuple(c for c in stream.cuts if c <= end), why, stream.request.partition)
         reasons = ", ".join(sorted(why))
         if keep.tier is None:
             log.info("%s: not kept at %s (%s): larger than every tier", stream.request.id, f"{end:,}", reasons)

@@ -14,7 +14,7 @@ class Stream:
     """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode,
     `cuts` where its prefill is cut (engine/cuts.py, planned once at admission), `cached` the prompt rows it
     resumed from a kept state instead of prefilling, `keep_at` the cuts after which its state is kept, with the
-    reasons (tiers/policy.py)."""
+    reasons (tiers/policy.py); `ended` once the engine has released it and sent its last event (never twice)."""
 
     request: Request
     claim: Claim
@@ -25,6 +25,7 @@ class Stream:
     pending: int | None = None
     cached: int = 0
     keep_at: dict[int, frozenset[str]] = attrs.field(factory=dict)
+    ended: bool = False
 
     @property
     def prompt_len(self) -> int:

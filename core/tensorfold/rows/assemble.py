@@ -49,9 +49,10 @@ def assemble(shelf: Shelf, identity: str, entry: StateEntry, row_offset: Callabl
 
 
 def check_names(path: Path, identity: str, words: dict[str, Any], body: Bytes, entry: StateEntry) -> None:
-    """A state file's tokens hash to its own name, chain and blocks' names; raises Damaged naming the file."""
+    """A state file's tokens, under the partition its words record ("" when none), hash to its own name, chain and
+    blocks' names; raises Damaged naming the file."""
     at = words["at"]
-    chain = Chain(identity, words["block_rows"], tokens_from(body[: 4 * at]))
+    chain = Chain(identity, words["block_rows"], tokens_from(body[: 4 * at]), words.get("partition", ""))
     if chain.at(at).hex() != words["chain"] or state_key(chain.at(at), entry.cuts) != entry.key:
         raise damaged(path, "its tokens do not hash to its name")
     if chain.blocks(at) != entry.blocks:

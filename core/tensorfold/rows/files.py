@@ -7,17 +7,22 @@ A data file (`.blk`, `.st`) is a payload then a trailer:
 
 Every file, data or JSON, is written as `<name>.part`, flushed and fsynced, renamed over `<name>`, then its
 directory fsynced (callers writing many files in one directory may fsync it once, before anything refers to them).
+No file is opened through a symbolic link: a `.part` is made new (a link or file planted at its name is removed
+first), and every read opens a regular file without following a link, so nothing planted in the store's place is
+written through or read.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 
@@ -46,6 +51,36 @@ def file_size(words: dict[str, Any]) -> int:
 def damaged(path: Path, problem: str) -> Damaged:
     """The error a failed check raises: it names the file and what is wrong."""
     return Damaged(f"{path}: {problem}", path=str(path), problem=problem)
+
+
+def open_plain(path: Path, buffering: int = -1) -> BinaryIO:
+    """A regular file opened for reading without following a symbolic link or waiting on a FIFO: OSError naming
+    what is there otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, never followed", str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return open(fd, "rb", buffering=buffering)
+
+
+def read_small(path: Path) -> bytes:
+    """A small plain file's bytes (open_plain: never through a link)."""
+    with open_plain(path) as handle:
+        return handle.read()
+
+
+def real_dir(path: Path) -> bool:
+    """A directory itself, not a symbolic link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def fsync_dir(directory: Path) -> None:
@@ -89,7 +124,8 @@ def write_small(path: Path, data: bytes) -> None:
 
 def _durable(path: Path, parts: Sequence[Bytes], sync_dir: bool) -> None:
     part = path.with_name(path.name + ".part")
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    part.unlink(missing_ok=True)       # whatever a crash (or anyone) left there: the .part is always a new file
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         for data in parts:
             _write_all(fd, data)
@@ -146,7 +182,7 @@ def _parse_head(path: Path, magic: bytes, handle, size: int) -> tuple[bytes, dic
 def read_header(path: Path, magic: bytes) -> Header:
     """The words of a data file, its size checked against them and its trailer's length field."""
     try:
-        with open(path, "rb") as handle:
+        with open_plain(path) as handle:
             size = os.fstat(handle.fileno()).st_size
             _, words = _parse_head(path, magic, handle, size)
             handle.seek(size - TRAILER)
@@ -161,7 +197,7 @@ def read_header(path: Path, magic: bytes) -> Header:
 def read_prefix(path: Path, magic: bytes, count: int) -> bytes:
     """The first `count` bytes of a data file's body, its header checked (not its hash)."""
     try:
-        with open(path, "rb") as handle:
+        with open_plain(path) as handle:
             size = os.fstat(handle.fileno()).st_size
             _, words = _parse_head(path, magic, handle, size)
             if count > words["body"]:
@@ -177,7 +213,7 @@ def read_file(path: Path, magic: bytes, into: memoryview | None = None) -> tuple
     """A data file's words and body, every byte checked against the trailer. The body is read into `into` when
     given (it must be exactly the body's length), else into a new buffer."""
     try:
-        with open(path, "rb", buffering=0) as handle:
+        with open_plain(path, buffering=0) as handle:
             size = os.fstat(handle.fileno()).st_size
             head, words = _parse_head(path, magic, handle, size)
             if into is not None and into.nbytes != words["body"]:

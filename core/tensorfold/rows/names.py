@@ -3,6 +3,9 @@ rows it holds and two states sharing a prefix name (and so share) the same block
 
     h₀        sha256(identity hash ‖ u32 LE block_rows)       the block size is in the seed: blocks cut on
                                                               another grid never share a name
+              for a partition other than "" (a hex digest, engine/api.py Request.partition), h₀ is
+              sha256(identity hash ‖ u32 LE block_rows ‖ "partition" ‖ the partition as ASCII): its states and
+              blocks have names no other partition's tokens can produce
     hₖ₊₁      sha256(hₖ ‖ tokens [kB, (k+1)B) as int32 LE)    block k's name is hex(hₖ₊₁)
     chain(p)  sha256(h_j ‖ tokens [jB, p)), j = (p-1) // B    so chain(kB) = hₖ; chain(0) = h₀
     key       sha256(chain(at) ‖ "cuts" ‖ cuts as int64 LE)   a state's name: equal tokens cut differently differ
@@ -34,9 +37,11 @@ def tokens_from(data: bytes | memoryview) -> tuple[int, ...]:
     return tuple(packed)
 
 
-def seed(identity: str, block_rows: int) -> bytes:
-    """h₀: the identity and the block size every name below depends on."""
-    return hashlib.sha256(identity.encode() + struct.pack("<I", block_rows)).digest()
+def seed(identity: str, block_rows: int, partition: str = "") -> bytes:
+    """h₀: the identity, the block size and the partition (engine/api.py Request.partition) every name below
+    depends on; the shared partition "" adds nothing, so its names are those of stores written before partitions."""
+    salt = b"partition" + partition.encode() if partition else b""
+    return hashlib.sha256(identity.encode() + struct.pack("<I", block_rows) + salt).digest()
 
 
 def state_key(chain: bytes, cuts: Sequence[int]) -> str:
@@ -47,13 +52,13 @@ def state_key(chain: bytes, cuts: Sequence[int]) -> str:
 class Chain:
     """The chained hashes of one token sequence, computed once per block as positions are asked for in order."""
 
-    def __init__(self, identity: str, block_rows: int, tokens: Sequence[int]) -> None:
+    def __init__(self, identity: str, block_rows: int, tokens: Sequence[int], partition: str = "") -> None:
         if block_rows < 1:
             raise ValueError(f"block rows must be >= 1, got {block_rows}")
         self.block_rows = block_rows
         self._data = token_bytes(tokens)
         self._length = len(tokens)
-        self._heads = [seed(identity, block_rows)]   # hₖ for k = 0 … blocks hashed so far
+        self._heads = [seed(identity, block_rows, partition)]   # hₖ for k = 0 … blocks hashed so far
 
     def head(self, k: int) -> bytes:
         """hₖ: the chain after k full blocks."""

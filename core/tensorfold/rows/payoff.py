@@ -66,7 +66,7 @@ def observed_rate(before: float, nbytes: int, seconds: float, weight: float = 0.
 
 
 def _write_scratch(path: Path, pattern: memoryview, nbytes: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         left = nbytes
         while left:

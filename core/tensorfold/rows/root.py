@@ -3,15 +3,18 @@ read-only listing for `tensorfold learned`."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tensorfold.rows.api import StateEntry, StoreRefused
-from tensorfold.rows.files import STORE_VERSION, write_json, write_small
+from tensorfold.rows.files import STORE_VERSION, read_small, real_dir, write_json, write_small
+from tensorfold.rows.guard import no_room
 from tensorfold.rows.shelf import HEX, Shelf
 
 FORMAT = "FORMAT"
@@ -21,33 +24,71 @@ IDENTITY = "identity.json"
 
 
 def is_identity(path: Path) -> bool:
-    """An identity directory: named by 32 hex digits (rows/api.py identity_hash)."""
-    return len(path.name) == 32 and set(path.name) <= HEX and path.is_dir()
+    """An identity directory: named by 32 hex digits (rows/api.py identity_hash), a directory itself (a link to one
+    is never followed: nothing outside the root is read or removed)."""
+    return len(path.name) == 32 and set(path.name) <= HEX and real_dir(path)
 
 
 def read_json(path: Path) -> object:
-    """A small JSON file's value; None when it is missing or not JSON."""
+    """A small JSON file's value; None when it is missing, not a regular file (a link is not followed) or not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_small(path))
     except (OSError, ValueError):
         return None
 
 
 def take_lock(root: Path) -> int:
     """An exclusive lock on `<root>/lock` holding our pid (one server per root, whatever its identity): the open
-    descriptor, or StoreRefused naming the directory and the holder's pid."""
+    descriptor, or StoreRefused naming the directory and the holder's pid, or naming the lock when it is a link or
+    not a regular file of one link (it is opened without following a link, and written only after this check). On
+    a read-only file system the lock a server made before is taken read-only; a pid the disk has no room for is
+    left out (the flock is the lock)."""
     path = root / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd, writable = _open_lock(path)
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a file of {st.st_nlink} hard links"
+            raise StoreRefused(f"{path} is {what}: the rows store's lock must be its own regular file; remove it")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise StoreRefused(f"{root} is in use by another tensorfold server (pid {holder}): give each server its own "
                            f"--learn-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not writable:
+        return fd
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as error:
+        if not no_room(error):
+            release_lock(fd)
+            raise
     return fd
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """The lock's descriptor and whether it is open for writing (not on a read-only file system)."""
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o600), True
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise StoreRefused(f"{path} is a symbolic link: the rows store's lock must be a regular file, and the "
+                               f"store follows no link; remove it") from None
+        if error.errno == errno.EISDIR:
+            raise StoreRefused(f"{path} is a directory: the rows store's lock must be a regular file; remove "
+                               f"it") from None
+        if error.errno != errno.EROFS:
+            raise
+        try:
+            return os.open(path, os.O_RDONLY | flags), False
+        except FileNotFoundError:
+            raise error from None
 
 
 def release_lock(fd: int) -> None:
@@ -56,25 +97,37 @@ def release_lock(fd: int) -> None:
     os.close(fd)
 
 
-def check_format(root: Path) -> None:
-    """Refuse a root another store format wrote, by name; mark a new root with ours."""
+def check_format(root: Path) -> str | None:
+    """Refuse a root another store format wrote, by name (or whose `FORMAT` is a link or not a regular file: it is
+    never read through); mark a new root with ours. Returns why the store must write nothing when the disk has no
+    room for the mark (or is read-only), else None."""
     path = root / FORMAT
     try:
-        text = path.read_text().strip()
+        text = read_small(path).decode(errors="replace").strip()
     except FileNotFoundError:
-        write_small(path, f"{STORE_VERSION}\n".encode())
-        return
+        try:
+            write_small(path, f"{STORE_VERSION}\n".encode())
+        except OSError as error:
+            if not no_room(error):
+                raise
+            return f"{path} could not be written: {error}"
+        return None
+    except OSError as error:
+        raise StoreRefused(f"{path} cannot be read: {error.strerror or error}; move it aside") from None
     if text != str(STORE_VERSION):
-        raise StoreRefused(f"{path} names rows store format {text!r}; this tensorfold reads format {STORE_VERSION}: "
-                           f"move the directory aside or choose another --learn-dir")
+        raise StoreRefused(f"{path} names rows store format {text[:40]!r}; this tensorfold reads format "
+                           f"{STORE_VERSION}: move the directory aside or choose another --learn-dir")
+    return None
 
 
 def leftover_parts(root: Path) -> list[Path]:
-    """Every `.part` file a crash mid-write may have left under the root."""
+    """Every `.part` file a crash mid-write may have left under the root (through no link)."""
     found = list(root.glob("*.part"))
     for folder in (p for p in root.iterdir() if is_identity(p)):
-        for pattern in ("*.part", "states/*.part", "blocks/*.part"):
-            found += folder.glob(pattern)
+        found += folder.glob("*.part")
+        for sub in ("states", "blocks"):
+            if real_dir(folder / sub):
+                found += (folder / sub).glob("*.part")
     return found
 
 
@@ -112,7 +165,7 @@ def list_identities(root: Path) -> list[tuple[str, dict, list[StateEntry]]]:
     for folder in sorted(p for p in root.iterdir() if is_identity(p)):
         facts = read_json(folder / IDENTITY)
         shelf = Shelf(folder)
-        if (folder / "states").is_dir() and (folder / "blocks").is_dir():
+        if real_dir(folder / "states") and real_dir(folder / "blocks"):
             shelf.load(None, repair=False)
         found.append((folder.name, facts if isinstance(facts, dict) else {}, list(shelf.states.values())))
     return found

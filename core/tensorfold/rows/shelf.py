@@ -7,12 +7,13 @@ import json
 import logging
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from tensorfold.image import StateImage
 from tensorfold.rows.api import Damaged, StateEntry
-from tensorfold.rows.files import STATE, file_size, read_header, write_json
+from tensorfold.rows.files import STATE, file_size, read_header, read_small, write_json
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,22 @@ def block_words(index: int, block_rows: int, row_offset: Callable[[int], int]) -
     return {"block_rows": block_rows, "body": end - start, "index": index, "start": start}
 
 
+def state_words(key: str, chain: str, cuts: Sequence[int], names: Sequence[str], image: StateImage, tail: int,
+                block_rows: int, written: float, partition: str = "") -> dict[str, Any]:
+    """A state file's words (docs/formats.md); `partition` only when not the shared "", so a shared state's file is
+    byte for byte what a store before partitions wrote."""
+    if partition and not is_name(partition):
+        raise ValueError("a partition on disk is a sha256 hex digest (server/isolation.py), never a salt or key")
+    at = image.at
+    words = {"at": at, "block_rows": block_rows, "blocks": list(names), "body": 4 * at + len(image.own) + tail,
+             "chain": chain, "cuts": list(cuts), "digest": image.digest, "format": image.format, "key": key,
+             "own": len(image.own), "rows": len(image.rows), "tail": tail, "version": image.version,
+             "written": written}
+    if partition:
+        words["partition"] = partition
+    return words
+
+
 def state_problem(words: dict[str, Any], key: str, row_offset: Callable[[int], int] | None) -> str | None:
     """What is wrong with a state file's words (None when nothing): fields, name, sizes against the rows part."""
     types = {"key": str, "chain": str, "at": int, "cuts": list, "block_rows": int, "blocks": list, "format": str,
@@ -41,6 +58,8 @@ def state_problem(words: dict[str, Any], key: str, row_offset: Callable[[int], i
     at, cuts, block_rows = words["at"], words["cuts"], words["block_rows"]
     if words["key"] != key:
         return f"words name state {words['key'][:16]}…, the file is {key[:16]}…"
+    if "partition" in words and not is_name(words["partition"]):
+        return "words name a partition that is not a sha256 digest"
     if at < 1 or block_rows < 1 or not is_name(words["chain"]):
         return f"words say at {at}, block rows {block_rows}"
     if not cuts or cuts[-1] != at or any(not isinstance(c, int) for c in cuts) or cuts != sorted(set(cuts)):
@@ -113,7 +132,7 @@ class Shelf:
         for index, name in enumerate(words["blocks"]):
             if name not in sizes:
                 try:
-                    sizes[name] = self.block_path(name).stat().st_size
+                    sizes[name] = os.lstat(self.block_path(name)).st_size
                 except OSError:
                     problem = f"its block {index} ({name[:16]}…) is missing"
                     raise Damaged(f"{path}: {problem}", path=str(path), problem=problem) from None
@@ -134,7 +153,7 @@ class Shelf:
 
     def _usage(self) -> dict[str, Any]:
         try:
-            value = json.loads((self.directory / USAGE).read_text())
+            value = json.loads(read_small(self.directory / USAGE))
         except (OSError, ValueError):
             return {}
         return value if isinstance(value, dict) else {}
@@ -144,16 +163,20 @@ class Shelf:
         write_json(self.directory / USAGE, {k: [e.used, e.hits] for k, e in self.states.items()})
 
     def measure(self) -> int:
-        """Bytes of its state and block files, as the disk holds them now (what --learn-gib counts)."""
+        """Bytes of its state and block files, as the disk holds them now (what --learn-gib counts; a folder a full
+        disk kept from being made holds none)."""
         total = 0
         for folder, suffix in (("states", ".st"), ("blocks", ".blk")):
-            with os.scandir(self.directory / folder) as found:
-                for item in found:
-                    if item.name.endswith(suffix):
-                        try:
-                            total += item.stat().st_size
-                        except OSError:
-                            pass
+            try:
+                with os.scandir(self.directory / folder) as found:
+                    for item in found:
+                        if item.name.endswith(suffix):
+                            try:
+                                total += item.stat(follow_symlinks=False).st_size
+                            except OSError:
+                                pass
+            except FileNotFoundError:
+                pass
         return total
 
     def add(self, entry: StateEntry, chain: str) -> None:
@@ -208,7 +231,7 @@ def unlink(path: Path) -> int:
     """Remove a file; its size, or 0 when it was not there or the file system keeps it (read-only: a state file
     left behind is a valid state again at the next startup, a block an orphan removed then)."""
     try:
-        size = path.stat().st_size
+        size = os.lstat(path).st_size
         path.unlink()
     except FileNotFoundError:
         return 0

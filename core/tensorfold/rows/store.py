@@ -33,20 +33,12 @@ from tensorfold.rows.files import (
     write_file,
     write_json,
 )
+from tensorfold.rows.guard import guard_root
 from tensorfold.rows.names import Chain, state_key, token_bytes, tokens_from
-from tensorfold.rows.payoff import hash_rate, sequential_read_rate, serial_rate
-from tensorfold.rows.root import (
-    IDENTITY,
-    DailyBudget,
-    check_format,
-    is_identity,
-    leftover_parts,
-    list_identities,
-    read_json,
-    release_lock,
-    take_lock,
-)
-from tensorfold.rows.shelf import Shelf, block_words, unlink
+from tensorfold.rows.opening import attempt, lock_root, make_folders, other_shelves, remove_parts
+from tensorfold.rows.probe import read_rate
+from tensorfold.rows.root import IDENTITY, DailyBudget, check_format, list_identities, read_json, release_lock
+from tensorfold.rows.shelf import Shelf, block_words, state_words, unlink
 
 __all__ = ["RowsStore", "list_identities"]
 
@@ -78,11 +70,13 @@ class RowsStore:
         self._said: set[str] = set()
         self._counts: Counter[str] = Counter()
         self._lock_fd: int | None = None
+        self._closed = False
+        self.writes_off: str | None = None   # why the store writes nothing (a full or read-only disk at startup)
         try:
-            self.root.parent.mkdir(parents=True, exist_ok=True)
-            self.root.mkdir(mode=0o700, exist_ok=True)
-            self._lock_fd = take_lock(self.root)
-            check_format(self.root)
+            self._off(guard_root(self.root))
+            self._lock_fd, why = lock_root(self.root)
+            self._off(why)
+            self._off(check_format(self.root))
             self._open()
         except OSError as error:
             self.close()
@@ -94,29 +88,19 @@ class RowsStore:
     # -- opening ------------------------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        for folder in (self.directory, self.directory / "states", self.directory / "blocks"):
-            folder.mkdir(mode=0o700, exist_ok=True)
-        parts = leftover_parts(self.root)
-        for path in parts:
-            path.unlink(missing_ok=True)
+        self._off(make_folders(self.directory))
+        parts = remove_parts(self.root)
         if parts:
             self._counts["parts_removed"] += len(parts)
             log.warning("rows store: removed %d leftover .part files at startup (writes a crash or a kill cut "
                         "short): %s", len(parts), ", ".join(str(p.relative_to(self.root)) for p in parts[:4]))
-        if read_json(self.directory / IDENTITY) != self.facts:
-            write_json(self.directory / IDENTITY, self.facts)
+        if self.writes_off is None and read_json(self.directory / IDENTITY) != self.facts:
+            self._off(attempt(lambda: write_json(self.directory / IDENTITY, self.facts), IDENTITY))
         self._own = Shelf(self.directory)
         for file, problem in self._own.load(self._row_offset, repair=True):
             self._counts["damaged"] += 1
             log.warning("rows store: forgot %s at startup: %s", file, problem)
-        self._others = []
-        for folder in sorted(p for p in self.root.iterdir() if is_identity(p) and p.name != self.identity):
-            for sub in ("states", "blocks"):
-                (folder / sub).mkdir(mode=0o700, exist_ok=True)
-            shelf = Shelf(folder)
-            for file, problem in shelf.load(None, repair=True):
-                log.warning("rows store: removed %s of another identity: %s", file, problem)
-            self._others.append(shelf)
+        self._others = other_shelves(self.root, self.identity)
         orphans = sum(shelf.orphans_removed for shelf in (self._own, *self._others))
         if orphans:
             self._counts["orphans_removed"] += orphans
@@ -126,19 +110,29 @@ class RowsStore:
         with self._lock:
             self._evict(keep=())     # --learn-gib may have been lowered since the last server
 
+    def _off(self, why: str | None) -> None:
+        """Write nothing from now on, saying why in one line (the first reason a startup write met)."""
+        if why is not None and self.writes_off is None:
+            self.writes_off = why
+            log.warning("rows store: writes nothing to %s: %s; serving goes on, and states already there may still "
+                        "be read", self.root, why)
+
     def close(self) -> None:
-        """Save each state's last use and hits, and release the lock (the store is unusable after)."""
-        if self._lock_fd is None:
+        """Save each state's last use and hits (unless the store writes nothing), and release the lock (the store
+        is unusable after)."""
+        if self._closed:
             return
+        self._closed = True
         try:
-            if hasattr(self, "_own"):
+            if hasattr(self, "_own") and self.writes_off is None:
                 with self._lock:
                     self._own.save_usage()
         except OSError as error:
             log.warning("rows store: could not save usage in %s: %s", self.directory, error)
         finally:
-            release_lock(self._lock_fd)
-            self._lock_fd = None
+            if self._lock_fd is not None:
+                release_lock(self._lock_fd)
+                self._lock_fd = None
 
     def __enter__(self) -> RowsStore:
         return self
@@ -148,14 +142,15 @@ class RowsStore:
 
     # -- finding and reading ------------------------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], cuts: Sequence[int]) -> StateEntry | None:
-        """The longest state a pass over `prompt` cut at `cuts` may resume from: its tokens prompt[:at], `at` a cut
-        below len(prompt), its cuts the pass's own up to `at` (tiers/policy.py resumable)."""
+    def lookup(self, prompt: Sequence[int], cuts: Sequence[int], partition: str = "") -> StateEntry | None:
+        """The longest state written in `partition` a pass over `prompt` cut at `cuts` may resume from: its tokens
+        prompt[:at], `at` a cut below len(prompt), its cuts the pass's own up to `at` (tiers/policy.py resumable);
+        the partition is in the names (names.py), so another partition's states never match."""
         with self._lock:
             candidates = sorted({c for c in cuts if 0 < c < len(prompt) and c in self._own.ats}, reverse=True)
         if not candidates:
             return None
-        chain = Chain(self.identity, self.block_rows, prompt[: candidates[0]])
+        chain = Chain(self.identity, self.block_rows, prompt[: candidates[0]], partition)
         for at in candidates:
             want = tuple(c for c in cuts if c <= at)
             hexed = chain.at(at).hex()
@@ -228,13 +223,14 @@ class RowsStore:
 
     # -- writing ------------------------------------------------------------------------------------------------
 
-    def write(self, tokens: Sequence[int], cuts: Sequence[int], image: StateImage,
-              used: float | None = None) -> StateEntry | None:
+    def write(self, tokens: Sequence[int], cuts: Sequence[int], image: StateImage, used: float | None = None,
+              partition: str = "") -> StateEntry | None:
         """Write a state (synchronously: the tier's I/O thread calls this); None when skipped by a cap or refused
         by the file system, counted and logged once per reason, or when --learn-gib evicted it at once (it was
         the least recently used). `used` is when it was last used (now when not given; the tier passes an older
         time for a state it writes at shutdown, so the cap keeps the states used last, whatever the order they
-        are written in). An existing state is only marked used."""
+        are written in). An existing state is only marked used. `partition` ("" or a sha256 hex digest, recorded
+        in the words) is folded into every name (names.py)."""
         at = image.at
         mine = tuple(c for c in cuts if c <= at)
         if at < 1 or len(tokens) != at:
@@ -244,7 +240,7 @@ class RowsStore:
         if len(image.rows) != self._row_offset(at):
             raise ValueError(f"image rows part is {len(image.rows)} bytes, {at} rows make {self._row_offset(at)}")
         with self._writing:
-            chain = Chain(self.identity, self.block_rows, tokens)
+            chain = Chain(self.identity, self.block_rows, tokens, partition)
             head = chain.at(at)
             key = state_key(head, mine)
             with self._lock:
@@ -257,7 +253,7 @@ class RowsStore:
             with self._lock:
                 self._pending.update(names)
             try:
-                return self._write(key, head.hex(), tokens, mine, names, image, used)
+                return self._write(key, head.hex(), tokens, mine, names, image, used, partition)
             except OSError as error:
                 self._clean_after(key, names)
                 self._say("failed", f"rows store: cannot write to {self.directory}: {error}; states stay in RAM only")
@@ -287,13 +283,10 @@ class RowsStore:
                 pass
 
     def _write(self, key: str, chain: str, tokens: Sequence[int], cuts: tuple[int, ...], names: tuple[str, ...],
-               image: StateImage, used: float | None) -> StateEntry | None:
+               image: StateImage, used: float | None, partition: str) -> StateEntry | None:
         at, rows = image.at, memoryview(image.rows)
         tail = len(image.rows) - self._row_offset(len(names) * self.block_rows)
-        words = {"at": at, "block_rows": self.block_rows, "blocks": list(names), "body": 4 * at + len(image.own) + tail,
-                 "chain": chain, "cuts": list(cuts), "digest": image.digest, "format": image.format, "key": key,
-                 "own": len(image.own), "rows": len(image.rows), "tail": tail, "version": image.version,
-                 "written": self._clock()}
+        words = state_words(key, chain, cuts, names, image, tail, self.block_rows, self._clock(), partition)
         plan, sizes, new_bytes, replaced = [], {}, file_size(words), 0
         for index, name in enumerate(names):
             block = block_words(index, self.block_rows, self._row_offset)
@@ -429,6 +422,9 @@ class RowsStore:
                           parts_removed=c["parts_removed"], orphans_removed=c["orphans_removed"])
 
     def read_bandwidth(self, nbytes: int = 64 << 20) -> float:
-        """Bytes/s a state read is estimated at before any was made, the payoff rule's denominator: a plain
-        sequential read of a scratch file written in the store, then sha256 over the same bytes (rows/payoff.py)."""
-        return serial_rate(sequential_read_rate(self.directory, nbytes), hash_rate(min(nbytes, 16 << 20)))
+        """Bytes/s a state read is estimated at before any was made, the payoff rule's denominator: a sequential
+        read of a scratch file written in the store (of the states kept, where the disk has no room for one), then
+        sha256 over the same bytes (rows/probe.py); a disk that refuses the scratch file turns writing off."""
+        rate, why = read_rate(self.directory, nbytes, self.min_free_bytes, writes=self.writes_off is None)
+        self._off(why)
+        return rate

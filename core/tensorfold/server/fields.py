@@ -4,23 +4,73 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 from tensorfold.server.errors import bad_request
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_INT_DIGITS = 64  # longer integers are read as ±inf, out of every field's range (Python refuses 4,300 digits)
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate can get into a UTF-8 body
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class NotJson(ValueError):
+    """A literal Python's json reads but JSON does not have (NaN, Infinity)."""
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; anything else is a 400."""
+    """The request body as a JSON object of UTF-8 text; anything else (malformed, NaN, nesting past the recursion
+    limit, a string holding a lone surrogate) is a 400 naming the body or the field."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise bad_request(f"the request body is not valid JSON: not UTF-8 text (byte {err.start} is "
+                          f"{raw[err.start]:#04x})") from err
+    try:
+        body = json.loads(text, parse_int=_int, parse_constant=_constant)
+    except RecursionError as err:
+        raise bad_request("the request body is not valid JSON this server reads: arrays and objects nest too "
+                          "deeply") from err
+    except ValueError as err:  # JSONDecodeError, NotJson
         raise bad_request(f"the request body is not valid JSON: {err}") from err
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {json_type(body)}")
+    if SURROGATE_ESCAPE.search(text):
+        check_text(body)
     return body
+
+
+def _int(digits: str) -> int | float:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        return -math.inf if digits.startswith("-") else math.inf
+    return int(digits)
+
+
+def _constant(name: str) -> float:
+    raise NotJson(f"{name} is not a JSON value")
+
+
+def check_text(body: dict[str, Any]) -> None:
+    """Refuse a string (key or value) holding a lone surrogate: it is no text, no tokenizer or encoder takes it."""
+    queue: deque[tuple[str, Any]] = deque([("", body)])
+    while queue:
+        where, value = queue.popleft()
+        if isinstance(value, str):
+            if SURROGATE.search(value):
+                raise bad_request(f"'{where}' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which "
+                                  "is not text", where or None)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                at = f"{where}.{key}" if where else key
+                if SURROGATE.search(key):
+                    raise bad_request(f"a key in '{where or 'the body'}' holds a lone surrogate, which is not text",
+                                      where or None)
+                queue.append((at, item))
+        elif isinstance(value, list):
+            queue.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
 
 
 def json_type(value: Any) -> str:
@@ -55,6 +105,10 @@ def read_int(body: Mapping[str, Any], name: str, low: int | None = None, high: i
         return None
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
+    if isinstance(value, float) and not math.isfinite(value):  # past MAX_INT_DIGITS digits, or past a float
+        bound = (f"at most {high}" if high is not None else "too large") if value > 0 else \
+            (f"at least {low}" if low is not None else "too small")
+        raise bad_request(f"'{name}' is out of range: {bound}", name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"'{name}' must be an integer, not {json_type(value)}", name)
     if low is not None and value < low:

@@ -11,9 +11,9 @@ import attrs
 
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, TokenEvent
 from tensorfold.server.detok import StopText
-from tensorfold.server.errors import engine_failed, queue_full
+from tensorfold.server.errors import UNAVAILABLE, ApiError, engine_failed, queue_full
 from tensorfold.server.params import Generate
-from tensorfold.service import QueueFull, Service
+from tensorfold.service import EngineDead, QueueFull, Service
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there
@@ -85,11 +85,13 @@ class Generation:
             log.debug("event for %s dropped: the event loop is closed", self.id)
 
     def submit(self) -> None:
-        """Queue the request with the engine; a full queue is a 503."""
+        """Queue the request with the engine; a full queue, or an engine stopped for good, is a 503."""
         try:
             self._service.engine.submit(self.request)
         except QueueFull as err:
             raise queue_full(str(err)) from err
+        except EngineDead as err:  # the process is exiting (launch.py): a 503 naming why
+            raise ApiError(503, f"the engine has stopped: {err}", UNAVAILABLE, code="engine_dead") from err
 
     def abandon(self) -> None:
         """The answer is no longer wanted (client gone, error): let the engine free the stream."""

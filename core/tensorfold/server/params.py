@@ -22,6 +22,7 @@ from tensorfold.server.fields import (
     read_token_ids,
 )
 from tensorfold.server.messages import read_messages, read_template_kwargs, render
+from tensorfold.server.prompts import chat_ids
 from tensorfold.server.starts import keep_marks, start_positions, starts_of
 from tensorfold.service import Service
 
@@ -67,19 +68,20 @@ class Tokenize:
     tokens: tuple[int, ...]
 
 
-def parse_chat(body: Mapping[str, Any], service: Service) -> Generate:
-    """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest."""
+def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Generate:
+    """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest;
+    without `specials_in_content`, special-token text in message content is encoded as text (server/prompts.py)."""
     check_common(body)
     messages = read_messages(body)
     kwargs = read_template_kwargs(body)
     text = render(service.tokenizer, messages, add_generation_prompt=True, kwargs=kwargs)
-    prompt = service.tokenizer.encode(text)
+    prompt = chat_ids(service.tokenizer, messages, text, True, kwargs, specials_in_content)
     if not prompt:
         raise bad_request("the messages render to an empty prompt", "messages")
     params = generate(body, service, prompt, "messages")
     if not service.request_starts:
         return params
-    positions = start_positions(service.tokenizer, messages, prompt, kwargs, text)
+    positions = start_positions(service.tokenizer, messages, prompt, kwargs, text, specials_in_content)
     return attrs.evolve(params, starts=starts_of(positions), marks=keep_marks(messages, positions))
 
 
@@ -90,17 +92,17 @@ def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:
     return generate(body, service, prompt, "prompt")
 
 
-def parse_tokenize(body: Mapping[str, Any], service: Service) -> Tokenize:
-    """POST /tokenize: a `prompt` string, or `messages` rendered by the template."""
+def parse_tokenize(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Tokenize:
+    """POST /tokenize: a `prompt` string, or `messages` rendered by the template (encoded as chat requests are)."""
     if body.get("messages") is not None:
         messages = read_messages(body)
         kwargs = read_template_kwargs(body)
         add = read_bool(body, "add_generation_prompt", default=True)
         text = render(service.tokenizer, messages, add_generation_prompt=add, kwargs=kwargs)
-    else:
-        text = read_str(body, "prompt")
-        if text is None:
-            raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
+        return Tokenize(tuple(chat_ids(service.tokenizer, messages, text, add, kwargs, specials_in_content)))
+    text = read_str(body, "prompt")
+    if text is None:
+        raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
     return Tokenize(tuple(service.tokenizer.encode(text)))
 
 
@@ -167,7 +169,9 @@ def read_salt(body: Mapping[str, Any]) -> str | None:
 
 
 def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int, prompt_param: str) -> Sampling:
-    """The request's sampling fields over the served defaults; max_tokens checked against the context."""
+    """The request's sampling fields over the served defaults; max_tokens checked against the context. Every value
+    in range forms a distribution: the sampler keeps the most likely token whatever top_p, top_k and min_p drop (a
+    top_p that rounds to 0 in float32 samples it), so none is refused for that (engine/sampler.py)."""
     defaults = service.defaults
     temperature = read_float(body, "temperature", low=0.0)
     top_p = read_float(body, "top_p", low=0.0, high=1.0, low_open=True)

@@ -1,18 +1,21 @@
 """The endpoints: each parses, submits or answers, and leaves tensors to the engine.
 
-Rendering and tokenizing run in the thread pool, so a long prompt does not stall other streams.
+A body is parsed, rendered and tokenized in a worker thread, a bounded number at once (server/bodies.py), so a
+long prompt or a burst of large bodies does not stall other streams or /health.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tensorfold.server.bodies import ParseSlots
+from tensorfold.server.door import FrontDoor
 from tensorfold.server.errors import ApiError, engine_failed
 from tensorfold.server.fields import parse_body
 from tensorfold.server.generation import ClientGone, EngineFailed, Finish, Generation
@@ -23,6 +26,7 @@ from tensorfold.server.payloads import CHAT, TEXT, Shaper
 from tensorfold.server.sse import EventStream
 from tensorfold.service import Service
 
+T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; nobody reads it, the log does
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -61,16 +65,35 @@ async def answer(request: Request, service: Service, params: Generate, kind: str
                                         list(params.prompt), generation.token_ids))
 
 
-def routes(service: Service) -> list[Route]:
-    """Every route of the API, bound to one served model."""
+def tokenized(body: dict[str, Any], service: Service, specials_in_content: bool) -> JSONResponse:
+    """POST /tokenize's answer, rendered here too (a long prompt's ids are a long JSON array)."""
+    found = parse_tokenize(body, service, specials_in_content)
+    return JSONResponse({"tokens": list(found.tokens), "count": len(found.tokens), "max_model_len": service.context})
+
+
+def detokenized(body: dict[str, Any], service: Service) -> str:
+    """POST /detokenize's answer: the text of `tokens`."""
+    return service.tokenizer.decode(parse_detokenize(body, service))
+
+
+def read(parse: Callable[..., T], *args: object) -> Callable[[bytes], T]:
+    """A job for a parse slot: the body's JSON, then `parse(body, *args)`."""
+    return lambda raw: parse(parse_body(raw), *args)
+
+
+def routes(service: Service, door: FrontDoor | None = None) -> list[Route]:
+    """Every route of the API, bound to one served model and its front door's settings."""
+    door = door or FrontDoor()
     started = int(time.time())
+    slots = ParseSlots(door.parse_slots)
+    specials = door.specials_in_content
 
     async def chat_completions(request: Request) -> Response:
-        params = await run_in_threadpool(parse_chat, parse_body(await request.body()), service)
+        params = await slots.run(read(parse_chat, service, specials), await request.body())
         return await answer(request, service, params, CHAT, "chatcmpl")
 
     async def completions(request: Request) -> Response:
-        params = await run_in_threadpool(parse_completion, parse_body(await request.body()), service)
+        params = await slots.run(read(parse_completion, service), await request.body())
         return await answer(request, service, params, TEXT, "cmpl")
 
     def model_card() -> dict[str, object]:
@@ -88,19 +111,20 @@ def routes(service: Service) -> list[Route]:
         return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
+        failure = service.engine.failure  # the engine stopped for good: the process is exiting (launch.py)
+        if failure is not None:
+            return JSONResponse({"status": "dead", "reason": failure}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def memory(request: Request) -> Response:
         return JSONResponse({"plan": service.plan, "now": service.engine.snapshot()})
 
     async def tokenize(request: Request) -> Response:
-        found = await run_in_threadpool(parse_tokenize, parse_body(await request.body()), service)
-        return JSONResponse({"tokens": list(found.tokens), "count": len(found.tokens),
-                             "max_model_len": service.context})
+        return await slots.run(read(tokenized, service, specials), await request.body())
 
     async def detokenize(request: Request) -> Response:
-        tokens = parse_detokenize(parse_body(await request.body()), service)
-        return JSONResponse({"prompt": await run_in_threadpool(service.tokenizer.decode, tokens)})
+        text = await slots.run(read(detokenized, service), await request.body())
+        return JSONResponse({"prompt": text})
 
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -17,11 +17,15 @@ from tensorfold.server.payloads import CHAT, Shaper
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Line breaks to str.splitlines (and so to line-splitting SSE clients) that json.dumps leaves raw; the others
+# (\n \r \x0b \x0c \x1c-\x1e) are control characters, which it escapes already.
+LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
 
 
 def event(payload: dict[str, Any]) -> bytes:
-    """One SSE event holding a JSON object."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE event holding a JSON object, on one line however a client splits lines."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def chunks(generation: Generation, shaper: Shaper, include_usage: bool) -> AsyncIterator[bytes]:

@@ -23,17 +23,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tensorfold.engine.api import KeepMarks
+from tensorfold.server.errors import ApiError
+from tensorfold.server.prompts import chat_ids
+from tensorfold.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 SYSTEM_ROLES = {"system", "developer"}
 
 
-def message_starts(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
-                   kwargs: Mapping[str, Any], prompt_text: str | None = None) -> tuple[int, ...]:
+def message_starts(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
+                   kwargs: Mapping[str, Any], prompt_text: str | None = None,
+                   specials_in_content: bool = True) -> tuple[int, ...]:
     """Positions in `prompt` (the tokens of `messages` rendered with the generation prompt) where a message, or
     the generated turn, starts; sorted, each inside (0, len(prompt)), only the ones proven by an exact prefix.
-    With `prompt_text` (the rendered prompt), a prefix whose text is not a prefix of it is skipped untokenized."""
-    return starts_of(start_positions(tokenizer, messages, prompt, kwargs, prompt_text))
+    With `prompt_text` (the rendered prompt), a prefix whose text is not a prefix of it is skipped untokenized.
+    Prefixes are encoded as the prompt was (`specials_in_content`, server/prompts.py)."""
+    return starts_of(start_positions(tokenizer, messages, prompt, kwargs, prompt_text, specials_in_content))
 
 
 def starts_of(positions: Mapping[int, int]) -> tuple[int, ...]:
@@ -41,8 +46,9 @@ def starts_of(positions: Mapping[int, int]) -> tuple[int, ...]:
     return tuple(sorted(set(positions.values())))
 
 
-def start_positions(tokenizer: Any, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
-                    kwargs: Mapping[str, Any], prompt_text: str | None = None) -> dict[int, int]:
+def start_positions(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
+                    kwargs: Mapping[str, Any], prompt_text: str | None = None,
+                    specials_in_content: bool = True) -> dict[int, int]:
     """Message index → its proven start (index len(messages): the generated turn), for 1 ≤ index ≤ n."""
     found: dict[int, int] = {}
     for i in range(1, len(messages) + 1):
@@ -53,7 +59,11 @@ def start_positions(tokenizer: Any, messages: Sequence[Mapping[str, Any]], promp
             continue
         if prompt_text is not None and not prompt_text.startswith(text):
             continue
-        ids = tokenizer.encode(text)
+        try:
+            ids = chat_ids(tokenizer, messages[:i], text, False, kwargs, specials_in_content)
+        except ApiError as err:  # special-token text the template gives no place in this prefix
+            log.debug("no start after message %d: %s", i, err.message)
+            continue
         at = len(ids)
         if 0 < at < len(prompt) and tuple(prompt[:at]) == tuple(ids):
             found[i] = at

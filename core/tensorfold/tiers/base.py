@@ -65,20 +65,22 @@ class Tier(Generic[S]):
             return None
         return next(k for k, s in self._states.items() if s is order[0])
 
-    def find_exact(self, tokens: tuple[int, ...], cuts: tuple[int, ...]) -> S | None:
-        """This exact state, if kept (then it is marked used)."""
+    def find_exact(self, tokens: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> S | None:
+        """This exact state of `partition`, if kept (then it is marked used)."""
         for key, state in self._states.items():
-            if state.at == len(tokens) and state.cuts == cuts and state.tokens == tokens:
+            if (state.at == len(tokens) and state.partition == partition and state.cuts == cuts
+                    and state.tokens == tokens):
                 self._states.move_to_end(key)
                 return state
         return None
 
-    def find(self, prompt: tuple[int, ...], cuts: tuple[int, ...]) -> S | None:
-        """The longest kept state a pass over `prompt` cut at `cuts` may resume from (tiers/policy.py), marked
-        used; counts nothing (the caller counts hits and misses once a request is admitted)."""
+    def find(self, prompt: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> S | None:
+        """The longest state kept in `partition` a pass over `prompt` cut at `cuts` may resume from
+        (tiers/policy.py), marked used; counts nothing (the caller counts hits and misses once a request is
+        admitted)."""
         best: tuple[int, S] | None = None
         for key, state in self._states.items():
-            if (best is None or state.at > best[1].at) and resumable(state, prompt, cuts):
+            if (best is None or state.at > best[1].at) and resumable(state, prompt, cuts, partition):
                 best = (key, state)
         if best is None:
             return None

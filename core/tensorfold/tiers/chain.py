@@ -9,6 +9,9 @@
     evict    the device tier lets a state go into the host tier (tiers/device.py), or into the disk tier when there
              is no host tier or the host refuses it; the host tier lets its states go into the disk tier, or drops
     close    at shutdown the states still kept in RAM are staged for the disk and its queue is flushed
+
+Every state is kept under its request's partition, and a lookup, a fallback and the check for a state kept already
+see only the request's own partition's states (tiers/policy.py).
 """
 
 from __future__ import annotations
@@ -72,15 +75,16 @@ class KeptTiers:
             t for t in (device, host, disk) if t is not None)
         self.resumed_from: str | None = None          # the tier the last admitted request resumed from
 
-    def lookup(self, prompt: tuple[int, ...], cuts: tuple[int, ...]) -> Hit | None:
-        """The longest state a pass over `prompt` cut at `cuts` may resume from, in any tier; counts nothing."""
+    def lookup(self, prompt: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> Hit | None:
+        """The longest state kept in `partition` a pass over `prompt` cut at `cuts` may resume from, in any tier;
+        counts nothing."""
         best: Hit | None = None
         for tier in self.ram:
-            state = tier.find(prompt, cuts)
+            state = tier.find(prompt, cuts, partition)
             if state is not None and (best is None or state.at > best.state.at):
                 best = Hit(tier, state)
         if self.disk is not None:
-            found = self.disk.find(prompt, cuts, beyond=best.state.at if best is not None else 0)
+            found = self.disk.find(prompt, cuts, beyond=best.state.at if best is not None else 0, partition=partition)
             if found is not None:
                 best = Hit(self.disk, found)
         return best
@@ -125,15 +129,16 @@ class KeptTiers:
             hit = fallback
 
     def _shorter(self, state: DiskState, owner: str) -> Hit | None:
-        """The longest state shorter than `state` a pass with its cuts may resume from, in a tier whose states
-        share no pages (a fresh claim was taken without them)."""
+        """The longest state of its partition shorter than `state` a pass with its cuts may resume from, in a tier
+        whose states share no pages (a fresh claim was taken without them)."""
         best: Hit | None = None
         for tier in self.ram:
-            found = tier.find(state.tokens, state.cuts)
+            found = tier.find(state.tokens, state.cuts, state.partition)
             if found is not None and not found.pages and (best is None or found.at > best.state.at):
                 best = Hit(tier, found)
         assert self.disk is not None
-        found_disk = self.disk.find(state.tokens, state.cuts, beyond=best.state.at if best is not None else 0)
+        found_disk = self.disk.find(state.tokens, state.cuts, beyond=best.state.at if best is not None else 0,
+                                    partition=state.partition)
         self.disk.looked_up(owner)
         return Hit(self.disk, found_disk) if found_disk is not None else best
 
@@ -146,26 +151,28 @@ class KeptTiers:
         """Free pool pages: the device tier lets one state go (into the host tier); never `spare`."""
         return self.device is not None and self.device.evict_one(spare)
 
-    def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...], why: frozenset[str]) -> Keep:
-        """Keep the slot's state at `len(tokens)` with its reasons, unless a tier holds that exact state already."""
+    def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...], why: frozenset[str],
+                  partition: str = "") -> Keep:
+        """Keep the slot's state at `len(tokens)` with its reasons in `partition`, unless a tier holds that exact
+        state there already."""
         for tier in self.ram:
-            found = tier.find_exact(tokens, cuts)
+            found = tier.find_exact(tokens, cuts, partition)
             if found is not None:
                 if not why <= found.why:
                     found.why = found.why | why
                     self._moved_past(found)
                 return Keep(tier.name, fresh=False)
         if self.device is not None:
-            state = self.device.snapshot(claim, tokens, cuts, why)
+            state = self.device.snapshot(claim, tokens, cuts, why, partition)
             self._moved_past(state)
             if self.device.keep(state):
                 return Keep(self.device.name)
         if self.host is not None:
-            held = self.host.keep_from(claim, tokens, cuts, why)
+            held = self.host.keep_from(claim, tokens, cuts, why, partition=partition)
             if held is not None:
                 self._moved_past(held)
                 return Keep(self.host.name)
-        if self.disk is not None and self.disk.keep_from(claim, tokens, cuts, why):
+        if self.disk is not None and self.disk.keep_from(claim, tokens, cuts, why, partition):
             return Keep(self.disk.name)
         return Keep(None)
 

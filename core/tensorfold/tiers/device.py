@@ -11,14 +11,16 @@ pass), before any later step wrote more:
 
 With one window per stream (TF_KV_PAGES=0) there are no pages: the tail is every row [0, at).
 
-A request resumes from the longest kept state whose tokens are a prefix of its prompt, that leaves at least one
-prompt row to prefill, and whose cuts are exactly the cuts its own cold pass makes up to `at` (engine/cuts.py):
-then every row it reads was computed by the same arithmetic a fresh run does, and resumed == fresh bitwise.
+A request resumes from the longest state kept in its partition (tiers/policy.py) whose tokens are a prefix of its
+prompt, that leaves at least one prompt row to prefill, and whose cuts are exactly the cuts its own cold pass makes
+up to `at` (engine/cuts.py): then every row it reads was computed by the same arithmetic a fresh run does, and
+resumed == fresh bitwise.
 
 Bytes of the tier = distinct kept pages · page bytes + the copies; past `--prompt-cache-gib` states go, moved-past
 ones first, then the least recently used (tiers/policy.py), into the tier below (`lower`, the host tier) when there
 is one, else dropped. A restore happens within admission, so no state is ever in use when eviction runs: a resumed
-stream holds the pages it shares through its own lease.
+stream holds the pages it shares through its own lease. Two partitions keeping the same tokens keep two states,
+each over its own stream's pages: isolation costs their memory.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 @attrs.define(eq=False)
 class KeptState:
     """A stream's state at `at`: the prompt prefix, the cold cuts up to `at`, shared full pages and copies; `why`
-    the keep points it stands for, `passed` whether a later kept state moved past it (tiers/policy.py)."""
+    the keep points it stands for, `passed` whether a later kept state moved past it, `partition` who may resume
+    from it (tiers/policy.py)."""
 
     tokens: tuple[int, ...]
     at: int
@@ -57,6 +60,7 @@ class KeptState:
     hits: int = 0
     why: frozenset[str] = frozenset()
     passed: bool = False
+    partition: str = ""
 
     @property
     def copy_bytes(self) -> int:
@@ -87,13 +91,14 @@ class DeviceTier(Tier[KeptState]):
 
     # -- keeping ------------------------------------------------------------------------------------------------
 
-    def has(self, tokens: tuple[int, ...], cuts: tuple[int, ...]) -> bool:
-        """Whether this exact state is kept already (then it is marked used)."""
-        return self.find_exact(tokens, cuts) is not None
+    def has(self, tokens: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> bool:
+        """Whether this exact state is kept already in `partition` (then it is marked used)."""
+        return self.find_exact(tokens, cuts, partition) is not None
 
     def snapshot(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
-                 why: frozenset[str] = frozenset()) -> KeptState:
-        """The state a slot holds at `len(tokens)`, which must be the end of its last step (a cut in `cuts`)."""
+                 why: frozenset[str] = frozenset(), partition: str = "") -> KeptState:
+        """The state a slot holds at `len(tokens)`, which must be the end of its last step (a cut in `cuts`), to
+        be kept in `partition`."""
         at = len(tokens)
         kv = self.memory.kv
         if self.page_rows is not None and claim.lease is not None:
@@ -110,7 +115,7 @@ class DeviceTier(Tier[KeptState]):
         fixed = tuple((i, spec.name, kv.fixed(i, spec.name, claim.slot).clone())
                       for i, layer in enumerate(kv.layout.layers) for spec in layer.fixed)
         return KeptState(tokens=tokens, at=at, cuts=cuts, pages=pages, tail_start=tail_start, tail=tuple(tail),
-                         fixed=fixed, why=frozenset(why))
+                         fixed=fixed, why=frozenset(why), partition=partition)
 
     def alone_bytes(self, state: KeptState) -> int:
         """Bytes a state holds on its own: its pages and its copies."""
@@ -130,11 +135,12 @@ class DeviceTier(Tier[KeptState]):
         return True
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
-                  why: frozenset[str] = frozenset()) -> bool:
-        """Snapshot and keep the slot's state at `len(tokens)` unless that exact state is kept already."""
-        if self.has(tokens, cuts):
+                  why: frozenset[str] = frozenset(), partition: str = "") -> bool:
+        """Snapshot and keep the slot's state at `len(tokens)` in `partition` unless that exact state is kept
+        there already."""
+        if self.has(tokens, cuts, partition):
             return False
-        return self.keep(self.snapshot(claim, tokens, cuts, why))
+        return self.keep(self.snapshot(claim, tokens, cuts, why, partition))
 
     def evict_one(self, spare: object | None = None) -> bool:
         """Let one state go (never `spare`, the state being resumed or just kept): moved past first, then least
@@ -161,10 +167,11 @@ class DeviceTier(Tier[KeptState]):
 
     # -- resuming -----------------------------------------------------------------------------------------------
 
-    def lookup(self, prompt: tuple[int, ...], starts: tuple[int, ...], grid: int, min_chunk: int) -> KeptState | None:
-        """The longest kept state this prompt may resume from: its tokens a prefix of the prompt, at least one
-        prompt row left, and its cuts the prompt's own cold cuts up to its `at`; a miss is counted."""
-        found = self.find(prompt, plan_cuts(len(prompt), starts, grid, min_chunk))
+    def lookup(self, prompt: tuple[int, ...], starts: tuple[int, ...], grid: int, min_chunk: int,
+               partition: str = "") -> KeptState | None:
+        """The longest state kept in `partition` this prompt may resume from: its tokens a prefix of the prompt, at
+        least one prompt row left, and its cuts the prompt's own cold cuts up to its `at`; a miss is counted."""
+        found = self.find(prompt, plan_cuts(len(prompt), starts, grid, min_chunk), partition)
         if found is None:
             self.misses += 1
         return found

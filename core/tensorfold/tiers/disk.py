@@ -6,7 +6,8 @@ evictions and restarts.
             its image (image.read_out over the copies) and writes it, unless that state is on disk already; the
             step that let it go never waits on the disk
     lookup  after the device and host tiers: the store's longest state a pass over the prompt may resume from
-            (its tokens a prefix, its cuts the pass's own), if longer than theirs; it is read only when the payoff
+            (its tokens a prefix, its cuts the pass's own, written in the request's partition, which the store
+            folds into every name: rows/names.py), if longer than theirs; it is read only when the payoff
             rule (rows/payoff.py) says reading its bytes beats prefilling the rows it saves, with the model's
             prefill rate measured at startup and the store's read rate estimated at startup (sequential read and
             sha256) then taken from each resume's read and put back; a decline is counted and logged
@@ -31,14 +32,13 @@ import torch
 
 from tensorfold.engine.memory import Claim, StreamMemory
 from tensorfold.image import ImageFormat, StateImage, put_back, read_out
-from tensorfold.kv import PagedStore
-from tensorfold.layout import Layout
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.rows.api import Damaged, StateEntry, StoreStats
 from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
 from tensorfold.tiers.device import KeptState
 from tensorfold.tiers.host import HostState
+from tensorfold.tiers.staged import CopiesView, Staged, from_slot, from_state
 from tensorfold.tiers.stats import TierStats
 
 if TYPE_CHECKING:
@@ -51,12 +51,11 @@ FLUSH_S = 10.0        # how long shutdown waits for the queue to be written
 IN_HAND_S = 5.0       # past that, how long it waits for the one state being written
 SPILL_STEP_S = 1e-6   # at shutdown, each state is stamped this much less recently used than the one before it
 
-Copies = dict[tuple[int, str], torch.Tensor]
-
 
 @attrs.define(eq=False)
 class DiskState:
-    """A state on disk a request may resume from: the store's index entry and the prompt prefix it covers."""
+    """A state on disk a request may resume from: the store's index entry, the prompt prefix it covers and the
+    partition it was found in (its names fold the partition in: rows/names.py)."""
 
     tokens: tuple[int, ...]
     at: int
@@ -66,55 +65,12 @@ class DiskState:
     passed: bool = False
     hits: int = 0
     read_s: float = 0.0       # seconds its last read took (read and verify)
+    partition: str = ""
 
     @property
     def pages(self) -> tuple[int, ...]:
         """A disk state shares no page: a resumer's lease starts empty."""
         return ()
-
-
-@attrs.frozen
-class Staged:
-    """A state waiting for the I/O thread: host copies of every row state's entries [0, at) and every fixed state."""
-
-    tokens: tuple[int, ...]
-    cuts: tuple[int, ...]
-    why: frozenset[str]
-    rows: Copies = attrs.field(repr=False)
-    fixed: Copies = attrs.field(repr=False)
-    used: float | None = None       # unix time it was last used, for the store's LRU order; None: when written
-
-    @property
-    def at(self) -> int:
-        """Rows the state covers."""
-        return len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes its copies hold while it waits."""
-        return sum(t.numel() * t.element_size() for part in (self.rows, self.fixed) for t in part.values())
-
-
-class CopiesView:
-    """The reads image.read_out makes of a KvStore, over one staged state's host copies (its only slot is 0)."""
-
-    def __init__(self, layout: Layout, staged: Staged) -> None:
-        self.layout = layout
-        self.device = torch.device("cpu")
-        self._staged = staged
-
-    def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
-        """Entries [0, end) of a row state."""
-        every = next(s.every for s in self.layout.layers[layer].rows if s.name == name)
-        return self._staged.rows[layer, name][: end // every]
-
-    def fixed(self, layer: int, name: str, slot: int) -> torch.Tensor:
-        """A fixed state."""
-        return self._staged.fixed[layer, name]
-
-
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
 
 
 class DiskTier:
@@ -145,39 +101,20 @@ class DiskTier:
     # -- taking states in ---------------------------------------------------------------------------------------
 
     def take(self, state: KeptState | HostState, spare: object | None = None) -> bool:
-        """Stage a state a faster tier lets go and queue it for the I/O thread; False when the queue is full."""
-        return self._queue(self.stage(state))
+        """Stage a state a faster tier lets go and queue it for the I/O thread; False when the queue is full or the
+        store writes nothing (a full or read-only disk at startup: nothing is staged)."""
+        return self.store.writes_off is None and self._queue(self.stage(state))
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
-                  why: frozenset[str] = frozenset()) -> bool:
-        """Stage the state a slot holds at `len(tokens)` (no faster tier took it) and queue it."""
-        kv = self.memory.kv
-        at = len(tokens)
-        rows = {(i, s.name): _host(kv.rows(i, s.name, claim.slot, at))
-                for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
-        fixed = {(i, s.name): _host(kv.fixed(i, s.name, claim.slot))
-                 for i, layer in enumerate(kv.layout.layers) for s in layer.fixed}
-        return self._queue(Staged(tokens=tokens, cuts=cuts, why=frozenset(why), rows=rows, fixed=fixed))
+                  why: frozenset[str] = frozenset(), partition: str = "") -> bool:
+        """Stage the state a slot holds at `len(tokens)` (no faster tier took it), kept in `partition`, and queue
+        it; False as `take` says."""
+        return self.store.writes_off is None and self._queue(from_slot(self.memory.kv, claim, tokens, cuts, why,
+                                                                       partition))
 
     def stage(self, state: KeptState | HostState, used: float | None = None) -> Staged:
-        """Host copies of a device state (its shared pages' rows and its copies) or a host state (its copies, not
-        copied again: the host tier never changes them); `used` its last use, when not now."""
-        if isinstance(state, HostState):
-            rows = {(i, name): t for i, name, t in state.rows}
-            fixed = {(i, name): t for i, name, t in state.fixed}
-            return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed, used=used)
-        kv = self.memory.kv
-        specs = {(i, s.name): s for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
-        rows = {}
-        for i, name, tail in state.tail:
-            parts = []
-            if state.pages and isinstance(kv, PagedStore):
-                index = torch.tensor(state.pages, dtype=torch.long, device=kv.device)
-                parts.append(kv.row_pages(i, name)[index].reshape(-1, *specs[i, name].shape))
-            parts.append(tail)
-            rows[i, name] = _host(torch.cat(parts)) if len(parts) > 1 else _host(tail)
-        fixed = {(i, name): _host(t) for i, name, t in state.fixed}
-        return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed, used=used)
+        """Host copies of a device or host state (tiers/staged.py); `used` its last use, when not now."""
+        return from_state(self.memory.kv, state, used)
 
     def _queue(self, staged: Staged) -> bool:
         if self._deadline is not None:
@@ -200,7 +137,7 @@ class DiskTier:
         image = read_out(CopiesView(self.memory.kv.layout, job), 0, job.at, self.fmt)
         reasons = ", ".join(sorted(job.why)) or "kept"
         before = self.store.stats()
-        entry = self.store.write(job.tokens, job.cuts, image, used=job.used)
+        entry = self.store.write(job.tokens, job.cuts, image, used=job.used, partition=job.partition)
         after = self.store.stats()
         if entry is None:
             self.skipped += 1
@@ -230,18 +167,21 @@ class DiskTier:
 
     # -- resuming -----------------------------------------------------------------------------------------------
 
-    def find(self, prompt: tuple[int, ...], cuts: tuple[int, ...], beyond: int = 0) -> DiskState | None:
-        """The longest state on disk a pass over `prompt` cut at `cuts` may resume from, if longer than `beyond`
-        (what a faster tier offers) and worth reading; counts nothing (a decline is counted at admission)."""
+    def find(self, prompt: tuple[int, ...], cuts: tuple[int, ...], beyond: int = 0,
+             partition: str = "") -> DiskState | None:
+        """The longest state on disk kept in `partition` a pass over `prompt` cut at `cuts` may resume from, if
+        longer than `beyond` (what a faster tier offers) and worth reading; counts nothing (a decline is counted
+        at admission)."""
         self._declining = None
-        entry = self.store.lookup(prompt, cuts)
+        entry = self.store.lookup(prompt, cuts, partition)
         if entry is None or entry.at <= beyond:
             return None
         saved = entry.at - beyond
         if not should_read(entry.nbytes, saved, self.read_bytes_per_s, self.prefill_rows_per_s, self.margin):
             self._declining = (entry, saved)
             return None
-        return DiskState(tokens=tuple(prompt[: entry.at]), at=entry.at, cuts=tuple(entry.cuts), entry=entry)
+        return DiskState(tokens=tuple(prompt[: entry.at]), at=entry.at, cuts=tuple(entry.cuts), entry=entry,
+                         partition=partition)
 
     def looked_up(self, owner: str) -> None:
         """A request was admitted after the last `find`: count and log a read the payoff rule declined."""
@@ -318,6 +258,8 @@ class DiskTier:
         deadline allows); how many. Each is stamped a little less recently used than the one before it, so that
         --learn-gib keeps the states used last, not the ones written last."""
         self._shutting_down()
+        if self.store.writes_off is not None:
+            return 0
         began = time.time()
         return sum(1 for rank, state in enumerate(states)
                    if self._queue(self.stage(state, used=began - rank * SPILL_STEP_S)))

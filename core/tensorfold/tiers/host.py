@@ -43,7 +43,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 @attrs.define(eq=False)
 class HostState:
-    """A state at `at` held as host copies: `rows` every row state's entries [0, at), `fixed` every fixed state."""
+    """A state at `at` held as host copies: `rows` every row state's entries [0, at), `fixed` every fixed state;
+    `partition` who may resume from it (tiers/policy.py)."""
 
     tokens: tuple[int, ...]
     at: int
@@ -53,6 +54,7 @@ class HostState:
     why: frozenset[str] = frozenset()
     passed: bool = False
     hits: int = 0
+    partition: str = ""
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -117,12 +119,15 @@ class HostTier(Tier[HostState]):
             host[full:].copy_(tail, non_blocking=self.pin)
             rows.append((i, name, host))
         self._insert(HostState(tokens=state.tokens, at=state.at, cuts=state.cuts, rows=tuple(rows),
-                               fixed=self._copies(state.fixed), why=state.why, passed=state.passed))
+                               fixed=self._copies(state.fixed), why=state.why, passed=state.passed,
+                               partition=state.partition))
         return True
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
-                  why: frozenset[str] = frozenset(), spare: object | None = None) -> HostState | None:
-        """Copy the state a slot holds at `len(tokens)` (the end of its last step) here; None when refused."""
+                  why: frozenset[str] = frozenset(), spare: object | None = None,
+                  partition: str = "") -> HostState | None:
+        """Copy the state a slot holds at `len(tokens)` (the end of its last step) here, kept in `partition`; None
+        when refused."""
         at = len(tokens)
         if not self._room(self.state_bytes(at), spare):
             return None
@@ -130,7 +135,8 @@ class HostTier(Tier[HostState]):
         rows = self._copies((i, name, kv.rows(i, name, claim.slot, at)) for i, name in self._specs)
         fixed = self._copies((i, s.name, kv.fixed(i, s.name, claim.slot))
                              for i, layer in enumerate(kv.layout.layers) for s in layer.fixed)
-        return self._insert(HostState(tokens=tokens, at=at, cuts=cuts, rows=rows, fixed=fixed, why=frozenset(why)))
+        return self._insert(HostState(tokens=tokens, at=at, cuts=cuts, rows=rows, fixed=fixed, why=frozenset(why),
+                                      partition=partition))
 
     def _room(self, need: int, spare: object | None) -> bool:
         """Make room for `need` bytes; False, counted as refused, when the budget cannot hold them."""

@@ -16,6 +16,10 @@ Moved past. Keeping a state T marks every kept state S whose tokens are a strict
 S is a history end (the conversation went on), or a rewind cut and T is one too (the user wrote a newer message).
 A system end is never moved past: other conversations share it. Tiers evict moved-past states first, then the
 least recently used; never the state being resumed.
+
+Partitions. Every state is kept under its request's partition (engine/api.py Request.partition, "" the shared
+one): a pass resumes only from a state of its own partition, and only a state of the same partition moves past
+another, so no request learns from, or changes the eviction order of, another partition's states.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Marked(Protocol):
     cuts: tuple[int, ...]
     why: frozenset[str]
     passed: bool
+    partition: str
 
 
 def keep_points(cuts: Sequence[int], length: int, history: int | None, system: int | None, rewind: int | None,
@@ -57,17 +62,17 @@ def keep_points(cuts: Sequence[int], length: int, history: int | None, system: i
     return {cut: frozenset(why) for cut, why in chosen.items()}
 
 
-def resumable(state: Marked, prompt: Sequence[int], cuts: Sequence[int]) -> bool:
-    """Whether a pass over `prompt` cut at `cuts` may resume from `state`: its tokens a prefix of the prompt, at
-    least one prompt row left, and its cuts the pass's own up to its `at`."""
-    if state.at >= len(prompt) or state.at not in cuts:
+def resumable(state: Marked, prompt: Sequence[int], cuts: Sequence[int], partition: str = "") -> bool:
+    """Whether a pass over `prompt` cut at `cuts` in `partition` may resume from `state`: kept in that partition,
+    its tokens a prefix of the prompt, at least one prompt row left, and its cuts the pass's own up to its `at`."""
+    if state.partition != partition or state.at >= len(prompt) or state.at not in cuts:
         return False
     return tuple(c for c in cuts if c <= state.at) == state.cuts and tuple(prompt[: state.at]) == state.tokens
 
 
 def moves_past(newer: Marked, older: Marked) -> bool:
     """Whether keeping `newer` leaves `older` behind (module docstring)."""
-    if newer.at <= older.at or SYSTEM in older.why:
+    if newer.at <= older.at or SYSTEM in older.why or newer.partition != older.partition:
         return False
     if REWIND in older.why and REWIND not in newer.why:
         return False
