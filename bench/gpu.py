@@ -35,6 +35,12 @@ SHAPES = {
                      {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                       "head_dim": 32, "intermediate_size": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                       "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_size": 1024}),
+    "qwen3_5-moe-tiny": ("qwen", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                         {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+                          "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                          "vocab_size": 1024, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 64}),
 }
 
 
@@ -100,11 +106,11 @@ def hardware(out: Path | None) -> tuple[float, float]:
     return bandwidth, flops
 
 
-def build(shape: str, dtype: torch.dtype):
-    """HF's model with random weights on the GPU, and ours loaded from the same tensors."""
+def hf_model(shape: str, dtype: torch.dtype):
+    """HF's model of `shape` with random weights (HF's own init) on DEVICE, and its config."""
     import transformers
 
-    family_name, config_class, model_class, overrides = SHAPES[shape]
+    _, config_class, model_class, overrides = SHAPES[shape]
     config = getattr(transformers, config_class)(**overrides)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)                      # built in the target dtype: a 35B model has no room twice
@@ -113,6 +119,13 @@ def build(shape: str, dtype: torch.dtype):
             hf = getattr(transformers, model_class)(config).to(dtype).eval()
     finally:
         torch.set_default_dtype(default)
+    return hf, config
+
+
+def build(shape: str, dtype: torch.dtype):
+    """HF's model with random weights on the GPU, and ours loaded from the same tensors."""
+    family_name = SHAPES[shape][0]
+    hf, config = hf_model(shape, dtype)
     family = load_families([family_name])[family_name]
     config_dict = config.to_dict()
     checkpoint = TensorsCheckpoint(config_dict, dict(hf.state_dict()))

@@ -36,10 +36,10 @@ from gpu import SHAPES, build, sync
 from tensorfold.boot import build_disk
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.engine.api import KeepMarks, Request, Sampling, TokenEvent
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.family import Declarations
 from tensorfold.kv import PagedStore
+from tensorfold.memory import StreamMemory
 from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool

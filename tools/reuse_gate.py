@@ -5,7 +5,8 @@
     replay   send the same requests to a cache-off server (--prompt-cache-gib 0 --host-cache-gib 0); write its
              replies
     compare  identical tokens, cached_tokens 0 when fresh and == the predicted row when cached, /metrics in step
-             with usage, lower TTFT when resumed (tools/gate/checks.py lists every check)
+             with usage (exact checks: tools/gate/checks.py lists each); the median TTFT resumed / fresh is
+             reported, and checked only with --ttft-ratio MAX (a bench or release check on a quiet machine)
 
 A server is either running (--url; start it with TF_KV_POISON=1 and the same --prefill-chunk/--min-chunk you
 give here) or started by the gate (--serve "ARGS": `tensorfold serve ARGS` under TF_KV_POISON=1, with the
@@ -24,7 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gate.checks import MIN_PROMPT, TTFT_MARGIN, compare
+from gate.checks import MIN_PROMPT, compare
 from gate.policy import KeepModel
 from gate.records import Run
 from gate.runs import Recorder, replay, server_facts
@@ -103,14 +104,16 @@ def replay_cmd(args: argparse.Namespace) -> None:
 
 def compare_cmd(args: argparse.Namespace) -> int:
     """`compare`: print the verdict; exit status 1 when the gate fails."""
-    verdict = compare(Run.read(args.record), Run.read(args.replay), args.ttft_margin, args.min_prompt,
+    verdict = compare(Run.read(args.record), Run.read(args.replay), args.ttft_ratio, args.min_prompt,
                       args.allow_no_poison)
     for name, numbers in verdict.scenarios.items():
         print(f"{name:14} {numbers['requests']:3} requests, {numbers['resumed']:3} resumed, "
               f"{numbers['cached_tokens']:6} of {numbers['prompt_tokens']:6} prompt tokens cached, "
+              f"{numbers['prefilled']:6} rows prefilled (fresh {numbers['prefilled_fresh']:6}), "
               f"TTFT resumed/fresh {numbers['ttft_ratio']}")
     ratio = "n/a" if verdict.ttft_ratio is None else f"{verdict.ttft_ratio:.3f}"
-    print(f"median TTFT resumed / fresh: {ratio} (gate: at most {args.ttft_margin})")
+    limit = "measured, not checked" if args.ttft_ratio is None else f"checked: at most {args.ttft_ratio}"
+    print(f"median TTFT resumed / fresh over {verdict.reused} resumed requests: {ratio} ({limit})")
     for failure in verdict.failures:
         print(f"FAIL {failure}")
     print("PASS" if verdict.passed else f"FAILED: {len(verdict.failures)} checks")
@@ -144,9 +147,11 @@ def parser() -> argparse.ArgumentParser:
     cmp = commands.add_parser("compare", help="check a recording against its replay")
     cmp.add_argument("record", type=Path)
     cmp.add_argument("replay", type=Path)
-    cmp.add_argument("--ttft-margin", type=float, default=TTFT_MARGIN,
-                     help="median resumed TTFT must be at most this times the fresh one")
-    cmp.add_argument("--min-prompt", type=int, default=MIN_PROMPT, help="prompts shorter than this are not timed")
+    cmp.add_argument("--ttft-ratio", "--ttft-margin", dest="ttft_ratio", type=float, metavar="MAX",
+                     help="also fail when median resumed TTFT is above MAX times the fresh one (a bench or release "
+                          "check on a quiet machine, e.g. 0.8; without it the ratio is reported, not checked)")
+    cmp.add_argument("--min-prompt", type=int, default=MIN_PROMPT,
+                     help="prompts shorter than this count neither as reused nor for TTFT")
     cmp.add_argument("--allow-no-poison", action="store_true", help="accept servers run without TF_KV_POISON=1")
     cmp.add_argument("--json", type=Path, help="also write the verdict as JSON here")
     return top

@@ -15,11 +15,12 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.engine.api import Sampling
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes, has_decode
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
+from tensorfold.engine.stats import EngineStats
 from tensorfold.family import Declarations, Family, FamilyModel
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import Layout
+from tensorfold.memory import StreamMemory
 from tensorfold.memory_plan import (
     GIB,
     HOST_CACHE_SHARE,
@@ -310,13 +311,14 @@ def boot(settings: Settings, family: Family) -> Loaded:
     model = decode_runner(model, memory, plan.parallel, settings)
     host_bytes = host_cache_bytes(settings)
     tier, host = build_tiers(settings, memory, host_bytes)
+    stats = EngineStats()
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
-                    min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk)
+                    min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk, stats=stats)
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
                       request_starts=settings.switch(family.request_starts_switch),
-                      isolate_by_key=settings.isolate_cache_by_key,
+                      isolate_by_key=settings.isolate_cache_by_key, stats=stats,
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON"),
                             "prompt_cache_gib": settings.prompt_cache_gib, "host_cache_bytes": host_bytes,

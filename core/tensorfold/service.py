@@ -7,6 +7,7 @@ from typing import Any, Protocol
 import attrs
 
 from tensorfold.engine.api import Request, Sampling
+from tensorfold.engine.stats import EngineStats
 from tensorfold.tokenizer import ChatTokenizer
 
 
@@ -39,7 +40,8 @@ class Submitter(Protocol):
 @attrs.frozen
 class Service:
     """The server's view of one served model; with `request_starts` (the family's request-starts switch) chat
-    requests carry the positions where their messages start, and prefill cuts there too."""
+    requests carry the positions where their messages start, and prefill cuts there too. `stats` is what the
+    engine records latencies and tokens into, for /metrics (None: no latency metrics)."""
 
     engine: Submitter
     tokenizer: ChatTokenizer
@@ -50,3 +52,4 @@ class Service:
     plan: dict[str, Any] = attrs.field(factory=dict)
     request_starts: bool = False
     isolate_by_key: bool = False  # --isolate-cache-by-key: a request's partition names its API key
+    stats: EngineStats | None = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tensorfold.engine.api import Sampling
-from tensorfold.engine.memory import StreamMemory
+from tensorfold.memory import StreamMemory
 from tensorfold.plugins import load_families
 from tensorfold.testing import engine_gates, kit
 from tensorfold.testing.engine_gates import Rig, Turn

@@ -25,10 +25,10 @@ import torch
 from tensorfold.boot import build_disk
 from tensorfold.engine.api import DoneEvent, ErrorEvent, KeepMarks, Request, Sampling, TokenEvent
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.image import read_out
 from tensorfold.kv import PagedStore
+from tensorfold.memory import StreamMemory
 from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool

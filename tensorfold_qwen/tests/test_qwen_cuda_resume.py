@@ -10,9 +10,9 @@ from cuda_disk_turns import ask
 
 from tensorfold.engine.api import KeepMarks
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.kv import PagedStore
+from tensorfold.memory import StreamMemory
 from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tensorfold.engine.api import Request, Sampling
-from tensorfold.engine.memory import StreamMemory
+from tensorfold.memory import StreamMemory
 from tensorfold.plugins import load_families
 from tensorfold.testing import engine_gates, kit
 from tensorfold.testing.engine_gates import Rig, Turn

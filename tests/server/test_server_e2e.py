@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import time
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from tensorfold.testing.fuzz_http import idle_memory
 
 HI = [{"role": "user", "content": "Hello! How are you today?"}]
 
@@ -140,24 +142,38 @@ def test_concurrent_requests(client, model):
     assert len(reasons) == 8 and set(reasons) <= {"stop", "length"}
 
 
+def served_after(server, model) -> None:
+    """The engine ends the abandoned request (idle_memory's wait guards a hang), serves a short one in full, and
+    then holds no lease or slot and its memory checks out."""
+    with httpx.Client() as http:
+        now = idle_memory(http, server.base_url)
+        assert (now["running"], now["waiting"]) == (0, 0), now
+        after = http.post(server.api + "/completions", timeout=30,
+                          json={"model": model, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
+        assert after.status_code == 200
+        reply = after.json()
+        assert (reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]) == ("length", 4)
+        now = idle_memory(http, server.base_url)  # a reply comes after its stream's pages and slot are back
+    assert (now["running"], now["waiting"], now["leases"], now["slots_free"]) == (0, 0, 0, now["slots"]), now
+    assert now["integrity_when_idle"] == "ok", now
+
+
+# How soon the engine is free again after a client leaves is a timing: bench/abandon.py measures it. Here, what is
+# exact: the server cancelled the abandoned request (its log names it), the engine went idle with every lease and
+# slot back, and serves the next request in full. That the engine ends it as `cancelled` well short of max_tokens
+# is asserted on the engine's own DoneEvent in test_server_app.py (test_disconnect_*_cancels).
 def test_disconnect_mid_stream_frees_the_engine(server, model, context):
     long = {"model": model, "prompt": "Hello", "max_tokens": context - 8, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", server.api + "/completions", json=long) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: {")
-    began = time.monotonic()
-    after = httpx.post(server.api + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4},
-                       timeout=30)
-    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert time.monotonic() - began < 5.0, "the abandoned stream kept the engine busy"
+        first = next(r.iter_lines())
+        assert first.startswith("data: {")
+    request_id = json.loads(first[len("data: "):])["id"]
+    served_after(server, model)
+    assert f"request {request_id} abandoned by its client; cancelling" in server.log.read_text()
 
 
 def test_disconnect_while_waiting_frees_the_engine(server, model, context):
     long = {"model": model, "prompt": "Hello", "max_tokens": context - 8, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.api + "/completions", json=long, timeout=0.5)
-    began = time.monotonic()
-    after = httpx.post(server.api + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4},
-                       timeout=30)
-    assert after.status_code == 200
-    assert time.monotonic() - began < 5.0, "the abandoned request kept the engine busy"
+    served_after(server, model)

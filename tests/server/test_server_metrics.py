@@ -18,11 +18,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from tensorfold.engine.stats import EngineStats
 from tensorfold.server import build_app
 from tensorfold.testing.process import serving
 
 TIER_COUNTERS = ("tier_kept", "tier_hits", "tier_misses", "tier_evicted", "tier_refused", "prompt_tokens_cached")
 TIER_GAUGES = ("tier_states", "tier_bytes", "tier_budget_bytes")
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "prefill_step_seconds", "decode_step_seconds", "step_rows")
 SYSTEM = "You are a careful assistant who answers every question in full sentences, with reasons. " * 3
 
 
@@ -61,6 +64,11 @@ def metrics(base: str) -> dict:
     reply = httpx.get(f"{base}/metrics", timeout=10)
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
     return scrape(reply.text)
+
+
+def bucket(samples: dict, name: str, le: str) -> float:
+    """A histogram's cumulative bucket `le` (as Prometheus writes the bound)."""
+    return samples[(f"tensorfold_{name}_bucket", (("le", le),))]
 
 
 def idle(base: str) -> dict:
@@ -113,13 +121,72 @@ def test_a_resumed_turn_moves_the_tier_counters_by_what_usage_says(base):
 
 def test_every_documented_metric_is_served_and_documented(base):
     names = {name for name, _ in metrics(base)}
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    families = {family.name for family in text_string_to_metric_families(text)}  # histograms by their own name
     docs = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
-    for name in sorted(names):
+    for name in sorted(families):
         assert f"`{name}" in docs, f"{name} is served but not documented in docs/api.md"
     for name in TIER_COUNTERS:
         assert f"tensorfold_{name}_total" in names
     for name in TIER_GAUGES:
         assert f"tensorfold_{name}" in names
+
+
+def test_the_latency_metrics_export_what_the_recorder_holds(loaded):
+    stats = EngineStats()
+    stats.arrived("a", 0.0)
+    stats.arrived("b", 1.0)
+    stats.admitted("a", 0.25, prompt_tokens=9, resumed_tokens=2)
+    for at in (1.0, 1.5, 2.0):
+        stats.token("a", at)
+    stats.step(prefill_rows=7, decode_rows=0, seconds=0.5)
+    stats.step(prefill_rows=0, decode_rows=1, seconds=0.005)
+    stats.finished("a", "length", 3.0)
+    stats.finished("b", "cancelled", 3.0)
+    with TestClient(build_app(attrs.evolve(loaded.service, stats=stats))) as http:
+        text = http.get("/metrics").text
+    kinds = {family.name: family.type for family in text_string_to_metric_families(text)}
+    samples = scrape(text)
+    for name in HISTOGRAMS:
+        assert kinds[f"tensorfold_{name}"] == "histogram"
+        assert samples[(f"tensorfold_{name}_bucket", (("le", "+Inf"),))] == plain(samples, f"{name}_count")
+    assert plain(samples, "time_to_first_token_seconds_count") == 1
+    assert plain(samples, "time_to_first_token_seconds_sum") == 1.0
+    assert bucket(samples, "time_to_first_token_seconds", "0.75") == 0
+    assert bucket(samples, "time_to_first_token_seconds", "1.0") == 1
+    assert plain(samples, "inter_token_latency_seconds_count") == 2
+    assert bucket(samples, "inter_token_latency_seconds", "0.4") == 0
+    assert bucket(samples, "inter_token_latency_seconds", "0.5") == 2
+    assert bucket(samples, "request_queue_time_seconds", "0.25") == 1
+    assert plain(samples, "e2e_request_latency_seconds_count") == 2  # the one ended while waiting has one too
+    assert [bucket(samples, "e2e_request_latency_seconds", le) for le in ("1.5", "2.0", "2.5", "5.0")] == [0, 1, 1, 2]
+    assert plain(samples, "request_queue_time_seconds_count") == 1
+    assert plain(samples, "prefill_step_seconds_count") == plain(samples, "decode_step_seconds_count") == 1
+    assert bucket(samples, "decode_step_seconds", "0.0025") == 0
+    assert bucket(samples, "decode_step_seconds", "0.005") == 1
+    assert bucket(samples, "step_rows", "1.0") == 1 and bucket(samples, "step_rows", "8.0") == 2
+    assert plain(samples, "step_rows_sum") == 8
+    for name in ("prompt_tokens", "generation_tokens", "prompt_tokens_resumed"):
+        assert kinds[f"tensorfold_{name}"] == "counter"
+    assert (plain(samples, "prompt_tokens_total"), plain(samples, "generation_tokens_total"),
+            plain(samples, "prompt_tokens_resumed_total")) == (9, 3, 2)
+    finished = {dict(labels)["finished_reason"]: value for (name, labels), value in samples.items()
+                if name == "tensorfold_requests_finished_total"}
+    assert finished == {"stop": 0, "length": 1, "cancelled": 1, "error": 0}
+
+
+def test_kv_cache_usage_is_the_share_of_pages_held(loaded):
+    with TestClient(build_app(loaded.service)) as http:
+        samples = scrape(http.get("/metrics").text)
+    held = plain(samples, "pool_pages") - plain(samples, "pool_pages_free")
+    assert plain(samples, "kv_cache_usage_ratio") == held / plain(samples, "pool_pages")
+
+
+def test_without_a_recorder_there_are_no_latency_metrics(loaded):
+    with TestClient(build_app(attrs.evolve(loaded.service, stats=None))) as http:
+        names = {family.name for family in text_string_to_metric_families(http.get("/metrics").text)}
+    assert "tensorfold_slots" in names
+    assert not names & {f"tensorfold_{name}" for name in (*HISTOGRAMS, "prompt_tokens", "requests_finished")}
 
 
 def test_two_apps_in_one_process_each_report_their_own_engine(loaded):

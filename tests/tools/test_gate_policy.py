@@ -1,5 +1,5 @@
 """The gate's own copy of the keep policy (tools/gate/policy.py) agrees with the engine's, case by case: cuts with
-engine/cuts.py, marks with the server's starts.py, keep points with tiers/policy.py. Two writings of one rule that
+cuts.py, marks with the server's starts.py, keep points with tiers/policy.py. Two writings of one rule that
 agree are the gate's reason to trust its predicted resume rows."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gate.policy import KeepModel, Shape, cuts_of, shape
-from tensorfold.engine.cuts import plan_cuts
+from tensorfold.cuts import plan_cuts
 from tensorfold.server.starts import keep_marks
 from tensorfold.tiers.policy import keep_points
 

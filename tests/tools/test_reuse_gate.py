@@ -1,7 +1,9 @@
 """The reuse gate end to end: tools/reuse_gate.py records every scenario against a real cache-on server (small
 device and host tiers, so states move device → host → evicted), replays the requests to a real cache-off server
-it starts itself, and compares: identical tokens, the predicted resume rows, /metrics in step with usage, and
-resumed turns faster to their first token. Then the same files, altered, must fail the gate."""
+it starts itself, and compares: identical tokens, the predicted resume rows, /metrics in step with usage. What
+proves the resumes is counted, not timed: each turn's cached_tokens and the rows each server prefilled. The TTFT
+ratio is reported, never asserted here (a loaded CI machine moves it; bench/reuse_ttft.py measures it). Then the
+same files, altered, must fail the gate."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gate.records import Run
+from gate.records import Exchange, Run
 from tensorfold.testing.process import serving, tail
+from tensorfold.tokenizer import ChatTokenizer
 
 GATE = Path(__file__).resolve().parents[2] / "tools" / "reuse_gate.py"
 GRID = ["--prefill-chunk", "512", "--min-chunk", "32"]
@@ -54,7 +57,38 @@ def test_every_scenario_passes_the_gate(runs):
     assert list(scenarios) == ["nine-turns", "alternating", "edited-first", "regenerate", "two-at-once", "eviction"]
     assert scenarios["nine-turns"]["resumed"] == 8 and scenarios["alternating"]["resumed"] == 5
     assert all(numbers["resumed"] > 0 for numbers in scenarios.values())
-    assert verdict["ttft_ratio"] < 0.8
+    assert all(numbers["prefilled"] < numbers["prefilled_fresh"] == numbers["prompt_tokens"]
+               for numbers in scenarios.values())  # rows counted: with the cache on, every scenario prefills less
+    assert verdict["reused"] >= 8  # nine-turns' last eight turns each resumed most of a prompt of 512+ tokens
+    assert verdict["ttft_limit"] is None and isinstance(verdict["ttft_ratio"], float)  # measured, not checked
+    assert "measured, not checked" in compared.stdout
+
+
+def history_end(tokenizer: ChatTokenizer, turn: Exchange) -> int:
+    """Where a chat turn's generated reply starts: its messages rendered without the generation prompt."""
+    ids = tokenizer.encode(tokenizer.render(turn.body["messages"], add_generation_prompt=False))
+    assert tuple(ids) == turn.reply.prompt_token_ids[:len(ids)]
+    return len(ids)
+
+
+def test_each_turn_resumes_where_the_last_ended_and_prefills_only_what_is_new(runs):
+    recorded, replay = Run.read(runs[0]), Run.read(runs[1])
+    tokenizer = ChatTokenizer(runs[2] / "m")
+    turns = [e for e in recorded.exchanges if e.scenario == "nine-turns"]
+    ends = [history_end(tokenizer, turn) for turn in turns]
+    assert [t.reply.cached_tokens for t in turns] == [t.expected_cached for t in turns] == [0, *ends[:-1]]
+    assert len({turn.reply.prompt_tokens - end for turn, end in zip(turns, ends, strict=True)}) == 1  # + gen prompt
+    # the conversation is prefilled once: its last prompt, plus each earlier turn's generation prompt (the next
+    # turn puts the reply where it stood); the cache-off server prefills every prompt from its first token
+    prefilled = sum(t.reply.prompt_tokens - t.reply.cached_tokens for t in turns)
+    generation_prompts = sum(t.reply.prompt_tokens - end for t, end in zip(turns[:-1], ends, strict=False))
+    assert prefilled == turns[-1].reply.prompt_tokens + generation_prompts
+    fresh = [e for e in replay.exchanges if e.scenario == "nine-turns"]
+    assert [e.reply.cached_tokens for e in fresh] == [0] * 9
+    assert [e.reply.prompt_tokens for e in fresh] == [t.reply.prompt_tokens for t in turns]
+    again = next(e for e in recorded.exchanges if e.same_as is not None)  # the regenerated turn: same request
+    assert again.reply.cached_tokens == history_end(tokenizer, again) == again.expected_cached
+    assert again.reply.token_ids == recorded.exchanges[again.same_as].reply.token_ids
 
 
 def test_the_runs_are_what_the_gate_says(runs):
@@ -82,6 +116,7 @@ def altered(path: Path, out: Path, change) -> Path:
 @pytest.mark.parametrize(("what", "says"), [("token", "generated tokens differ"),
                                             ("resume row", "the keep policy says"),
                                             ("cached on the fresh server", "the cache-off server reported"),
+                                            ("nothing resumed", "too few to show reuse"),
                                             ("slow resume", "median TTFT resumed is")])
 def test_an_altered_run_fails_the_gate(runs, what, says, tmp_path):
     recorded, replay, _ = runs
@@ -92,15 +127,39 @@ def test_an_altered_run_fails_the_gate(runs, what, says, tmp_path):
             exchanges[0]["reply"]["token_ids"][0] += 1
         elif what == "resume row":
             exchanges[0]["expected_cached"] -= 1
+        elif what == "nothing resumed":
+            for e in exchanges:
+                e["reply"]["cached_tokens"] = e["expected_cached"] = 0
         elif what == "slow resume":
-            for e in data["exchanges"]:
-                e["reply"]["ttft_s"] = 10.0
+            every_ttft(data, 10.0)
 
     if what == "cached on the fresh server":
         def change_fresh(data):
             data["exchanges"][-1]["reply"]["cached_tokens"] = 5
         replay = altered(replay, tmp_path / "replay.json", change_fresh)
+    elif what == "slow resume":
+        recorded = altered(recorded, tmp_path / "recorded.json", change)
+        replay = altered(replay, tmp_path / "replay.json", lambda data: every_ttft(data, 1.0))
     else:
         recorded = altered(recorded, tmp_path / "recorded.json", change)
-    compared = gate("compare", recorded, replay)
+    limit = ["--ttft-ratio", "0.8"] if what == "slow resume" else []
+    compared = gate("compare", recorded, replay, *limit)
     assert compared.returncode == 1 and says in compared.stdout, compared.stdout
+
+
+def every_ttft(data, seconds: float) -> None:
+    """Every reply of a gate file `seconds` to its first token (set, not measured: the ratio is then exact)."""
+    for e in data["exchanges"]:
+        e["reply"]["ttft_s"] = seconds
+
+
+def test_ttft_is_reported_and_checked_only_when_asked(runs, tmp_path):
+    recorded, replay, _ = runs
+    slow = altered(recorded, tmp_path / "recorded.json", lambda data: every_ttft(data, 10.0))
+    replay = altered(replay, tmp_path / "replay.json", lambda data: every_ttft(data, 1.0))
+    compared = gate("compare", slow, replay, "--json", tmp_path / "verdict.json")
+    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    assert compared.returncode == 0 and verdict["passed"] and verdict["ttft_ratio"] == 10.0, compared.stdout
+    assert "10.000 (measured, not checked)" in compared.stdout
+    checked = gate("compare", slow, replay, "--ttft-ratio", "0.8")
+    assert checked.returncode == 1 and "--ttft-ratio wants at most 0.8×" in checked.stdout, checked.stdout

@@ -67,7 +67,7 @@ class KeepMarks:
 @attrs.define
 class Request:
     """A prompt to continue; `on_event` is called from the engine thread and must not block. `starts` are the
-    prompt positions where requests (chat messages) start: prefill also cuts there (engine/cuts.py); empty, the
+    prompt positions where requests (chat messages) start: prefill also cuts there (cuts.py); empty, the
     grid alone. `marks` say where states worth resuming at lie. `partition` names the kept states it may resume
     from and those it keeps: only states kept under the same partition (server/isolation.py)."""
 

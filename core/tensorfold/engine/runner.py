@@ -3,8 +3,9 @@ reports events. It runs no hooks and no string lookups; the forward is resolved 
 
     a failure   fails only the requests it concerns, and the loop goes on: an admission that raises (a tier's
                 lookup or restore) fails its request; an exception in one stream's part after the forward (its
-                position, keeping its state, sampling, its event) fails that stream; the forward, or anything not
-                pinned on one stream, fails the streams of the step (before the plan exists: every running one).
+                position, keeping its state, a logits row the sampler refused, its event) fails that stream; the
+                forward, the step's one batched sampling pass, or anything not pinned on one stream, fails the
+                streams of the step (before the plan exists: every running one).
                 A failed stream is released (slot and pages) once and gets one ErrorEvent; waiting requests stay
     dead        the loop stops for good when it cannot go on: the device is lost (a family's DeviceLost or torch's
                 accelerator errors, anywhere in a step); memory integrity does not hold at the next idle moment
@@ -18,17 +19,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, TokenEvent
 from tensorfold.engine.failures import LoopStopped, death_reason, device_lost, failed_request, named
-from tensorfold.engine.memory import StreamMemory
-from tensorfold.engine.sampler import NonFiniteLogits
+from tensorfold.engine.sampler import NonFiniteLogits, Sampler, refused
 from tensorfold.engine.scheduler import Scheduler
+from tensorfold.engine.stats import EngineStats
 from tensorfold.engine.stream import Stream
 from tensorfold.family import FamilyModel
+from tensorfold.memory import StreamMemory
 from tensorfold.service import EngineDead, QueueFull
 from tensorfold.settings import DEFAULT_MIN_CHUNK
 
@@ -46,13 +49,16 @@ class Engine:
 
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
                  max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
-                 host: HostTier | None = None, disk: DiskTier | None = None) -> None:
+                 host: HostTier | None = None, disk: DiskTier | None = None,
+                 stats: EngineStats | None = None) -> None:
         self.model = model
+        self.stats = stats if stats is not None else EngineStats()
         self.memory = memory
         self.tier = tier
         self.host = host
         self.disk = disk
         self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host, disk)
+        self.sampler = Sampler()
         self.context = context
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -114,6 +120,7 @@ class Engine:
             if self._queued >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._queued += 1
+            self.stats.arrived(request.id, time.monotonic())
             self._inbox.put(request)
 
     def _run(self) -> None:
@@ -193,8 +200,18 @@ class Engine:
             return
         plan, streams = planned
         self._step_streams = streams
+        started = time.monotonic()
         logits = self.model.forward(plan, self.memory.kv)
+        drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
+        tokens: list[int] = []
+        if drawn:
+            tokens = self.sampler.sample(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
         self._failed_steps = 0
+        now = time.monotonic()
+        decode_rows = sum(1 for stream in streams if not stream.prefilling)
+        waited = bool(drawn) or not logits.is_cuda  # on CUDA a step that samples nothing never waits for the device
+        self.stats.step(sum(len(share.tokens) for share in plan.streams) - decode_rows, decode_rows,
+                        now - started if waited else None)
         row = 0
         for stream, share in zip(streams, plan.streams, strict=True):
             mine = row if share.sample else None
@@ -204,21 +221,25 @@ class Engine:
                 if share.start < stream.prompt_len:
                     self.scheduler.kept(stream, share.end)
                 if mine is not None:
-                    self._sampled(stream, logits[mine])
+                    self._sampled(stream, tokens[mine], logits[mine], now)
             except Exception as err:
                 self._stream_failed(stream, err)
 
     def _admit(self) -> None:
         """Admit what fits; each admission that raised fails its request alone."""
         waiting = len(self.scheduler.waiting)
+        admitted = []
         try:
-            self.scheduler.admit()
+            admitted = self.scheduler.admit()
         finally:
             self._dequeued(waiting - len(self.scheduler.waiting))
             failed, self.scheduler.failed = self.scheduler.failed, []
             for request, err in failed:
                 self._suspect = f"{request.id}: {named(err)}"
                 self._tell(request, ErrorEvent(failed_request(err)))
+        now = time.monotonic()
+        for stream in admitted:
+            self.stats.admitted(stream.request.id, now, stream.prompt_len, stream.cached)
         lost = next((err for _, err in failed if device_lost(err)), None)
         if lost is not None:
             raise lost
@@ -255,8 +276,11 @@ class Engine:
             self._dequeued()
             self._tell(request, DoneEvent("cancelled", len(request.prompt), 0, 0))
 
-    def _sampled(self, stream: Stream, logits: torch.Tensor) -> None:
-        token = stream.sampler.sample(logits)
+    def _sampled(self, stream: Stream, token: int, logits: torch.Tensor, now: float) -> None:
+        """A stream's token from the step's batched draw (-1: its logits row cannot be sampled, which fails it)."""
+        if token < 0:
+            raise refused(logits)
+        self.stats.token(stream.request.id, now)
         stream.produced += 1
         stream.request.on_event(TokenEvent(token))
         sampling = stream.request.sampling
@@ -289,6 +313,8 @@ class Engine:
 
     def _tell(self, request: Request, event: Event) -> None:
         """A request's last event; a handler that raises is logged (it is the receiver's fault, not a step's)."""
+        reason = event.finish_reason if isinstance(event, DoneEvent) else "error"
+        self.stats.finished(request.id, reason, time.monotonic())
         try:
             request.on_event(event)
         except Exception:

@@ -1,85 +1,180 @@
-"""Per-request token sampling; a seeded request draws the same tokens whatever else runs.
+"""Token sampling for a whole step: one pass over its [B, V] logits on their device, one copy of B ids back.
 
-    the rule   every filter keeps the most likely token, so any parameters form a distribution:
-               top_k keeps the k largest (ties kept), top_p the smallest most-likely-first set whose mass reaches
-               top_p and at least the first token (a top_p that rounds to 0 in float32 samples the most likely
-               token, as vLLM and HF do), min_p the tokens of at least min_p (at most 1) times the top probability;
-               a temperature whose scaled logits overflow is applied to the logits less their maximum (the same
-               distribution); a temperature above float32's largest is read as that largest
-    refused    logits holding NaN or +inf, or all -inf (a masked row), raise NonFiniteLogits: the engine fails
-               that request alone; -inf for some tokens is a mask and is sampled around
+    greedy     temperature 0: the argmax of the logits (ties: the lowest id, as torch.argmax)
+    sampled    the argmax of x + Gumbel noise over the kept tokens, x = (logits - max) / temperature in float64:
+               exactly a draw from softmax(x) over them; the noise is counter-based (engine/noise.py), keyed by the
+               request's seed and the token's index, so a row's token depends on its logits, parameters, seed and
+               index alone, never on the other rows or the batch size; an unseeded request draws a seed at admission
+    the rule   every filter keeps the most likely token, so any parameters form a distribution: each keeps
+               x >= a threshold per row; top_k the k largest (ties kept), top_p the smallest most-likely-first set
+               whose mass reaches top_p, read on what top_k kept (at least the first token, so a top_p that rounds
+               to 0 samples the most likely one, as vLLM and HF do; ties with its last kept), min_p the tokens of at
+               least min_p (at most 1) times the top probability; a temperature so small that x overflows sends
+               the other tokens to -inf (the same limit), one so large makes x all but 0
+    refused    logits holding NaN or +inf, or all -inf (a masked row), come back as -1: the engine fails that
+               request alone (`refused` says why); -inf for some tokens is a mask and is sampled around
+Every operation is per row: elementwise, or a reduction along V that each row does alone (argmax, sort, cumsum,
+gather, a count of booleans); none is a float sum whose order follows the batch (torch splits a lone row's sum
+across threads), which tests/core/engine/test_sampler_batch.py checks at several batch sizes.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 
+import attrs
 import torch
 
+from tensorfold.engine import noise
 from tensorfold.engine.api import Sampling
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
+TOP_K_OFF_ABOVE = 1 << 31  # a top_k this large keeps every token of any vocabulary
 
 
 class NonFiniteLogits(ValueError):
     """The model's logits for one stream cannot be sampled from; the message says what they hold."""
 
 
-class Sampler:
-    """Turns one row of logits into a token with the request's own generator."""
+@attrs.frozen
+class SampleRow:
+    """One stream's sampling parameters as the batched pass reads them, resolved once at admission."""
 
-    def __init__(self, sampling: Sampling) -> None:
+    temperature: float
+    top_p: float
+    log_min_p: float  # log(min(min_p, 1)); -inf when min_p is off
+    top_k: int        # 0: off
+    root: int         # the seed's root word (engine/noise.py), as int64
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> SampleRow:
+        """The row for a request: its parameters checked, its seed (or a random one) turned into its root."""
         check(sampling)
-        self.sampling = sampling
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+        min_p = min(sampling.min_p, 1.0)
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p,
+                   log_min_p=math.log(min_p) if min_p > 0 else -math.inf,
+                   top_k=min(max(sampling.top_k, 0), TOP_K_OFF_ABOVE), root=noise.root(seed))
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """A token id from float32 logits [vocab]; NonFiniteLogits when they hold NaN or +inf, or only -inf."""
-        s = self.sampling
-        logits = logits.detach().float().cpu()
-        refuse_non_finite(logits)
-        if s.temperature == 0.0:
-            return int(torch.argmax(logits))
-        probs = self.probabilities(logits)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the argmax, no draw."""
+        return self.temperature == 0.0
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution sampled from after temperature, top-k, top-p and min-p (finite logits: see the rule)."""
-        s = self.sampling
-        temperature = min(s.temperature, FLOAT32_MAX)
-        scaled = logits / temperature
-        if not math.isfinite(scaled.max()):  # overflow past float32: shift first, same distribution
-            scaled = (logits - logits.max()) / temperature
-        if 0 < s.top_k < scaled.numel():
-            kth = torch.topk(scaled, s.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if s.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(ordered, dim=-1) - ordered
-            drop = before >= s.top_p
-            drop[0] = False  # the most likely token always stays
-            probs = probs.clone()
-            probs[order[drop]] = 0.0
-        if s.min_p > 0.0:
-            probs = probs.masked_fill(probs < min(s.min_p, 1.0) * probs.max(), 0.0)
-        return probs / probs.sum()
+    @property
+    def sorts(self) -> bool:
+        """Whether a filter needs the row sorted (top_k or top_p)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+    @property
+    def values(self) -> tuple[float, float, float, float]:
+        """The float parameters in the order the pass unpacks them."""
+        return (self.temperature, self.top_p, self.log_min_p, float(self.top_k))
 
 
-def refuse_non_finite(logits: torch.Tensor) -> None:
-    """Raise NonFiniteLogits unless the row's maximum is finite (NaN and +inf reach the maximum; all -inf is it)."""
+class Sampler:
+    """Draws every sampling row of a step at once; holds only the per-vocabulary counters it reuses."""
+
+    def __init__(self) -> None:
+        self._positions: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> list[int]:
+        """Token ids for logits [B, V], row i drawn with rows[i] as its token number counters[i]; -1 for a row
+        whose logits hold NaN or +inf, or only -inf. One device->host copy (and one small host->device copy of the
+        sampled rows' parameters when any row samples)."""
+        best = logits.argmax(dim=-1)
+        top = logits.gather(1, best[:, None]).squeeze(1)
+        drawn = [i for i, row in enumerate(rows) if not row.greedy]
+        if drawn:
+            packed = self._pack([rows[i] for i in drawn], [counters[i] for i in drawn], drawn, logits.device)
+            index = packed[:, 5]
+            whole = len(drawn) == len(rows)
+            subset = logits if whole else logits.index_select(0, index)
+            picked = self._draw(subset, top if whole else top.index_select(0, index), packed,
+                                any(rows[i].sorts for i in drawn))
+            best = picked if whole else best.index_copy(0, index, picked)
+        return torch.where(torch.isfinite(top), best, -1).tolist()
+
+    def _pack(self, rows: Sequence[SampleRow], counters: Sequence[int], index: Sequence[int],
+              device: torch.device) -> torch.Tensor:
+        """The sampled rows' parameters as int64 [R, 6]: 4 float64 words, the noise key, the row in the step."""
+        host = torch.empty((len(rows), 6), dtype=torch.int64)
+        host[:, :4] = torch.tensor([row.values for row in rows], dtype=torch.float64).view(torch.int64)
+        host[:, 4] = noise.keys(torch.tensor([row.root for row in rows], dtype=torch.int64),
+                                torch.tensor(counters, dtype=torch.int64))
+        host[:, 5] = torch.tensor(index, dtype=torch.int64)
+        return host.to(device)
+
+    def _draw(self, logits: torch.Tensor, top: torch.Tensor, packed: torch.Tensor, sorts: bool) -> torch.Tensor:
+        """Each row's token: the argmax of its kept x plus its Gumbel noise."""
+        x = filtered(logits, top, packed[:, :4].view(torch.float64), sorts)
+        x.add_(noise.gumbel(packed[:, 4], self._at(logits.shape[1], logits.device)))
+        return x.argmax(dim=-1)
+
+    def _at(self, vocab: int, device: torch.device) -> torch.Tensor:
+        at = self._positions.get((device, vocab))
+        if at is None:
+            at = self._positions[(device, vocab)] = noise.positions(vocab, device)
+        return at
+
+
+def scaled(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """x = (logits - max) / temperature per row, float64: the top token's x is 0, none overflows to NaN."""
+    return (logits.double() - top.double()[:, None]) / temperature[:, None]
+
+
+def filtered(logits: torch.Tensor, top: torch.Tensor, params: torch.Tensor, sorts: bool) -> torch.Tensor:
+    """x per row with the tokens the filters drop at -inf, float64 [R, V]; params float64 [R, 4] are
+    SampleRow.values (temperature > 0); `sorts` when any row has top_k or top_p."""
+    temperature, top_p, log_min_p, top_k = params.unbind(1)
+    x = scaled(logits, top, temperature)
+    threshold = log_min_p
+    if sorts:
+        threshold = torch.maximum(threshold, _cut(logits, top, temperature, top_p, top_k))
+    return x.masked_fill_(x < threshold[:, None], -math.inf)
+
+
+def _cut(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+         top_k: torch.Tensor) -> torch.Tensor:
+    """The smallest x that top_k and top_p keep, per row [R] (the top token's x, 0, at most)."""
+    ordered = scaled(logits.sort(dim=-1, descending=True).values, top, temperature)
+    vocab = ordered.shape[1]
+    k = top_k.long()
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    mass = ordered.exp().masked_fill_(ordered < kth, 0.0)
+    total = mass.cumsum(dim=-1)
+    before = mass  # the mass strictly before each position, in the same buffer
+    before[:, 1:] = total[:, :-1]
+    before[:, 0] = 0.0
+    inside = (before < top_p[:, None] * total[:, -1:]).sum(dim=-1).clamp_(min=1)
+    edge = ordered.gather(1, (inside - 1)[:, None]).squeeze(1)
+    edge = torch.where(top_p < 1.0, edge, -math.inf)
+    return torch.maximum(kth.squeeze(1), edge)
+
+
+def probabilities(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """The distribution one row of logits [V] is drawn from, float64 [V] (the pass never forms it; tests read
+    the rule here). Greedy: all on the argmax."""
+    if row.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
+    rows = logits[None]
+    top = rows.amax(dim=-1)
+    params = torch.tensor([row.values], dtype=torch.float64, device=logits.device)
+    return torch.softmax(filtered(rows, top, params, row.sorts), dim=-1)[0]
+
+
+def refused(logits: torch.Tensor) -> NonFiniteLogits:
+    """Why a row the pass gave -1 cannot be sampled, as the error that fails its request (reads the row back)."""
     top = float(logits.max())
-    if math.isfinite(top):
-        return
     if math.isnan(top):
         what = f"NaN for {int(torch.isnan(logits).sum())} of {logits.numel()} tokens"
     elif top > 0:
         what = f"+inf for {int(torch.isposinf(logits).sum())} of {logits.numel()} tokens"
     else:
         what = f"-inf for all {logits.numel()} tokens"
-    raise NonFiniteLogits(f"the model's logits hold {what}")
+    return NonFiniteLogits(f"the model's logits hold {what}")
 
 
 def check(sampling: Sampling) -> None:

@@ -4,7 +4,7 @@
                 prefilling streams, oldest first, feed their next chunk [p, next cut) while the step's rows
                 stay within one chunk's worth (the oldest prefilling stream always gets its chunk, so every
                 stream progresses); the cuts are planned once at admission, plan_cuts(prompt, starts, chunk,
-                min_chunk) (engine/cuts.py): the absolute grid when the request has no starts
+                min_chunk) (cuts.py): the absolute grid when the request has no starts
     admission:  with kept tiers (tiers/chain.py), a request resumes from the longest kept state any tier holds
                 that it may resume from (a device state's full pages are shared by its lease; a host state is
                 copied in; a disk state is read and put back, or, failing its check, the request prefills); when
@@ -22,11 +22,11 @@ from bisect import bisect_right
 from collections import deque
 from typing import TYPE_CHECKING
 
+from tensorfold.cuts import plan_cuts
 from tensorfold.engine.api import Request
-from tensorfold.engine.cuts import plan_cuts
-from tensorfold.engine.memory import StreamMemory
-from tensorfold.engine.sampler import Sampler
+from tensorfold.engine.sampler import SampleRow
 from tensorfold.engine.stream import Stream
+from tensorfold.memory import StreamMemory
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.settings import DEFAULT_MIN_CHUNK
 from tensorfold.tiers.chain import Hit, KeptTiers
@@ -100,7 +100,7 @@ class Scheduler:
         self.waiting.popleft()
         claim = self.memory.take(request.id, reach, shared)
         try:
-            stream = Stream(request, claim, Sampler(request.sampling), cuts=cuts)
+            stream = Stream(request, claim, SampleRow.of(request.sampling), cuts=cuts)
             if self.tiers is not None:
                 stream.position = stream.cached = self.tiers.admitted(hit, claim, request.id)
                 marks = request.marks

@@ -5,20 +5,21 @@ from __future__ import annotations
 import attrs
 
 from tensorfold.engine.api import Request
-from tensorfold.engine.memory import Claim
-from tensorfold.engine.sampler import Sampler
+from tensorfold.engine.sampler import SampleRow
+from tensorfold.memory import Claim
 
 
 @attrs.define
 class Stream:
     """One admitted request; `position` is the rows fed so far, `pending` the token to feed next in decode,
-    `cuts` where its prefill is cut (engine/cuts.py, planned once at admission), `cached` the prompt rows it
-    resumed from a kept state instead of prefilling, `keep_at` the cuts after which its state is kept, with the
+    `cuts` where its prefill is cut (cuts.py, planned once at admission), `cached` the prompt rows it
+    resumed from a kept state instead of prefilling, `sample_row` its sampling parameters and seed as the step's
+    batched sampling reads them (engine/sampler.py), `keep_at` the cuts after which its state is kept, with the
     reasons (tiers/policy.py); `ended` once the engine has released it and sent its last event (never twice)."""
 
     request: Request
     claim: Claim
-    sampler: Sampler
+    sample_row: SampleRow
     cuts: tuple[int, ...] = ()
     position: int = 0
     produced: int = 0

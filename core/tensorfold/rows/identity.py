@@ -26,9 +26,9 @@ import torch
 
 import tensorfold
 from tensorfold.checkpoint import Checkpoint
-from tensorfold.engine.memory import Claim, StreamMemory
 from tensorfold.family import Declarations, FamilyModel
 from tensorfold.image import layout_digest, read_out
+from tensorfold.memory import Claim, StreamMemory
 from tensorfold.plan import StepPlan, StreamStep
 
 PROBE_OWNER = "tensorfold-probe"

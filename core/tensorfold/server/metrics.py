@@ -2,7 +2,8 @@
 
 One collector per app, in a registry of its own: no module-level metric objects, so two apps in one process
 (tests, or a second engine) never share or clash over counters. Every number comes from the objects that own
-it (the tiers' `stats()`, the page pool, the slots, the scheduler); the collector keeps nothing itself.
+it (the tiers' `stats()`, the page pool, the slots, the scheduler, the engine's EngineStats); the collector keeps
+nothing itself.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from typing import Any
 
 import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tensorfold.engine.stats import FINISH_REASONS, EngineStats
 from tensorfold.service import Service
 from tensorfold.tiers.stats import TierStats
 
@@ -65,6 +68,36 @@ DISK_METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+@attrs.frozen
+class StatsMetric:
+    """One number of EngineStats: its name, what it means, and the StatsSnapshot field it reads."""
+
+    name: str
+    help: str
+    field: str
+
+
+# Histograms, seconds unless named otherwise (docs/api.md names the vLLM metric each maps to).
+LATENCY_METRICS: tuple[StatsMetric, ...] = (
+    StatsMetric("time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", "ttft"),
+    StatsMetric("inter_token_latency_seconds", "Seconds between consecutive tokens of one request.", "itl"),
+    StatsMetric("e2e_request_latency_seconds", "Seconds from a request's arrival to its end, whatever the reason.",
+                "e2e"),
+    StatsMetric("request_queue_time_seconds", "Seconds from a request's arrival to its admission (slot and pages).",
+                "queue"),
+    StatsMetric("prefill_step_seconds", "Seconds per step that fed prompt rows (decode rows may share it).",
+                "prefill_step"),
+    StatsMetric("decode_step_seconds", "Seconds per step that fed decode rows only.", "decode_step"),
+    StatsMetric("step_rows", "Rows (tokens) fed per step, prompt and decode together.", "step_rows"),
+)
+TOKEN_METRICS: tuple[StatsMetric, ...] = (
+    StatsMetric("prompt_tokens", "Prompt tokens of admitted requests, resumed ones included.", "prompt_tokens"),
+    StatsMetric("generation_tokens", "Tokens sampled, counted as each is sampled.", "generation_tokens"),
+    StatsMetric("prompt_tokens_resumed", "Prompt tokens resumed from a kept state instead of prefilled (all tiers).",
+                "resumed_tokens"),
+)
+
+
 def tier_stats(engine: Any) -> list[TierStats]:
     """Every tier's TierStats now, fastest first; empty with every tier off (or an engine that has no tiers,
     such as a wrapper a test puts in front of one)."""
@@ -92,7 +125,8 @@ class EngineCollector(Collector):
     def _live(self) -> list[Metric]:
         engine = self.service.engine
         return [*self._tiers(tier_stats(engine)), *self._disk(engine),
-                *self._requests(getattr(engine, "scheduler", None)), *self._memory(getattr(engine, "memory", None))]
+                *self._requests(getattr(engine, "scheduler", None)), *_latency(self.service.stats),
+                *self._memory(getattr(engine, "memory", None))]
 
     def _disk(self, engine: Any) -> Iterator[Metric]:
         disk = next((tier for tier in getattr(engine, "tiers", ()) if tier.name == "disk"), None)
@@ -125,7 +159,25 @@ class EngineCollector(Collector):
             yield _gauge(name, help_text, value)
 
 
-def _memory_numbers(memory: Any) -> list[tuple[str, str, int]]:
+def _latency(stats: EngineStats | None) -> Iterator[Metric]:
+    """The engine's histograms and counters, from one snapshot (none without a recorder)."""
+    if stats is None:
+        return
+    now = stats.snapshot()
+    for metric in LATENCY_METRICS:
+        histogram = getattr(now, metric.field)
+        buckets = [(floatToGoString(bound), count) for bound, count in histogram.cumulative()]
+        yield HistogramMetricFamily(f"{PREFIX}_{metric.name}", metric.help, buckets=buckets, sum_value=histogram.sum)
+    for metric in TOKEN_METRICS:
+        yield CounterMetricFamily(f"{PREFIX}_{metric.name}", metric.help, value=getattr(now, metric.field))
+    finished = CounterMetricFamily(f"{PREFIX}_requests_finished", "Requests ended, by finish reason.",
+                                   labels=["finished_reason"])
+    for reason in (*FINISH_REASONS, *sorted(set(now.finished) - set(FINISH_REASONS))):
+        finished.add_metric([reason], now.finished.get(reason, 0))
+    yield finished
+
+
+def _memory_numbers(memory: Any) -> list[tuple[str, str, float]]:
     numbers = [("slots", "Stream slots (--parallel).", memory.slots.count),
                ("slots_free", "Stream slots not in use.", memory.slots.free),
                ("kv_bytes", "Bytes of the KV store: pages (or windows) and every slot's fixed states.",
@@ -137,7 +189,9 @@ def _memory_numbers(memory: Any) -> list[tuple[str, str, int]]:
                     ("pool_pages_free", "Pages on the free list.", pool.free),
                     ("pool_pages_available", "Free pages no lease has reserved.", pool.available),
                     ("pool_pages_leased", "Pages held by running streams' leases.", pool.leased),
-                    ("pool_pages_kept", "Pages held by kept states and by no lease.", pool.kept)]
+                    ("pool_pages_kept", "Pages held by kept states and by no lease.", pool.kept),
+                    ("kv_cache_usage_ratio", "Fraction of the pool's pages held by running streams or kept states.",
+                     (pool.total - pool.free) / pool.total)]
     return numbers
 
 

@@ -1,5 +1,5 @@
 """Request starts: the token positions in a rendered chat prompt where each message begins, and where the turn
-being generated begins, so prefill can cut there (engine/cuts.py) and a later turn can resume at them.
+being generated begins, so prefill can cut there (cuts.py) and a later turn can resume at them.
 
 Found by rendering the conversation prefix by prefix rather than by parsing the template's output:
 

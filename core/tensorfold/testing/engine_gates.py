@@ -19,12 +19,12 @@ from pathlib import Path
 import attrs
 import torch
 
+from tensorfold.cuts import is_cut, plan_cuts
 from tensorfold.engine.api import DoneEvent, ErrorEvent, KeepMarks, Request, Sampling, TokenEvent
-from tensorfold.engine.cuts import is_cut, plan_cuts
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.image import read_out, row_offset
 from tensorfold.kv import KvStore, PagedStore, WindowStore
+from tensorfold.memory import StreamMemory
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 from tensorfold.rows.store import RowsStore

@@ -2,9 +2,10 @@
 host and disk tiers)."""
 
 from tensorfold.tiers.chain import Hit, Keep, KeptTiers
-from tensorfold.tiers.device import DeviceTier, KeptState
-from tensorfold.tiers.disk import DiskState, DiskTier
-from tensorfold.tiers.host import HostState, HostTier
+from tensorfold.tiers.device import DeviceTier
+from tensorfold.tiers.disk import DiskTier
+from tensorfold.tiers.host import HostTier
+from tensorfold.tiers.states import DiskState, HostState, KeptState
 from tensorfold.tiers.stats import TierStats
 
 __all__ = ["DeviceTier", "DiskState", "DiskTier", "Hit", "HostState", "HostTier", "Keep", "KeptState", "KeptTiers",

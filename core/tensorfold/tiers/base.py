@@ -1,6 +1,7 @@
 """What every tier of kept states shares: its states in use order, its counters, which state a request resumes
-from, which state goes next, and its TierStats. Each tier (tiers/device.py, tiers/host.py) adds how a state is
-held, its bytes, how it is restored and its checks."""
+from, which state goes next, its TierStats, and the tier below it as an interface. Each tier (tiers/device.py,
+tiers/host.py) adds how a state is held, its bytes, how it is restored and its checks; no tier imports another, the
+chain (tiers/chain.py) wires each to the one below."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ class Kept(Marked, Protocol):
 
 
 S = TypeVar("S", bound=Kept)
+Held = TypeVar("Held", contravariant=True)
+
+
+class Lower(Protocol[Held]):
+    """Where a tier lets its states go: the tier below it (the host tier, the disk tier, or the host tier then the
+    disk tier), set by tiers/chain.py."""
+
+    def take(self, state: Held, spare: object | None = None) -> bool:
+        """Hold a state the tier above lets go, never making room by letting `spare` go; False when refused."""
+        ...
 
 
 class Tier(Generic[S]):

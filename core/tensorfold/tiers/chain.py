@@ -20,11 +20,12 @@ import logging
 
 import attrs
 
-from tensorfold.engine.memory import Claim
-from tensorfold.tiers.device import DeviceTier, KeptState
-from tensorfold.tiers.disk import DiskState, DiskTier
-from tensorfold.tiers.host import HostState, HostTier
+from tensorfold.memory import Claim
+from tensorfold.tiers.device import DeviceTier
+from tensorfold.tiers.disk import DiskTier
+from tensorfold.tiers.host import HostTier
 from tensorfold.tiers.policy import mark_passed
+from tensorfold.tiers.states import DiskState, HostState, KeptState
 from tensorfold.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)

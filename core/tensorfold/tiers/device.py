@@ -13,7 +13,7 @@ With one window per stream (TF_KV_PAGES=0) there are no pages: the tail is every
 
 A request resumes from the longest state kept in its partition (tiers/policy.py) whose tokens are a prefix of its
 prompt, that leaves at least one prompt row to prefill, and whose cuts are exactly the cuts its own cold pass makes
-up to `at` (engine/cuts.py): then every row it reads was computed by the same arithmetic a fresh run does, and
+up to `at` (cuts.py): then every row it reads was computed by the same arithmetic a fresh run does, and
 resumed == fresh bitwise.
 
 Bytes of the tier = distinct kept pages · page bytes + the copies; past `--prompt-cache-gib` states go, moved-past
@@ -25,47 +25,12 @@ each over its own stream's pages: isolation costs their memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import attrs
-import torch
-
-from tensorfold.engine.cuts import plan_cuts
-from tensorfold.engine.memory import Claim, StreamMemory
+from tensorfold.cuts import plan_cuts
 from tensorfold.kv import PagedStore
+from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
-from tensorfold.tiers.base import Tier
-
-if TYPE_CHECKING:
-    from tensorfold.tiers.host import HostTier
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-@attrs.define(eq=False)
-class KeptState:
-    """A stream's state at `at`: the prompt prefix, the cold cuts up to `at`, shared full pages and copies; `why`
-    the keep points it stands for, `passed` whether a later kept state moved past it, `partition` who may resume
-    from it (tiers/policy.py)."""
-
-    tokens: tuple[int, ...]
-    at: int
-    cuts: tuple[int, ...]
-    pages: tuple[int, ...]
-    tail_start: int
-    tail: tuple[tuple[int, str, torch.Tensor], ...] = attrs.field(repr=False)
-    fixed: tuple[tuple[int, str, torch.Tensor], ...] = attrs.field(repr=False)
-    hits: int = 0
-    why: frozenset[str] = frozenset()
-    passed: bool = False
-    partition: str = ""
-
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes of the tail and fixed copies (the pages are counted by the tier, once each)."""
-        return sum(_nbytes(t) for _, _, t in self.tail) + sum(_nbytes(t) for _, _, t in self.fixed)
+from tensorfold.tiers.base import Lower, Tier
+from tensorfold.tiers.states import KeptState
 
 
 class DeviceTier(Tier[KeptState]):
@@ -73,7 +38,7 @@ class DeviceTier(Tier[KeptState]):
 
     name = "device"
 
-    def __init__(self, memory: StreamMemory, budget: int, lower: HostTier | None = None) -> None:
+    def __init__(self, memory: StreamMemory, budget: int, lower: Lower[KeptState] | None = None) -> None:
         if budget <= 0:
             raise ValueError(f"a prompt cache needs a budget above 0 bytes, got {budget}")
         super().__init__(budget)

@@ -27,18 +27,16 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import attrs
 import torch
 
-from tensorfold.engine.memory import Claim, StreamMemory
 from tensorfold.image import ImageFormat, StateImage, put_back, read_out
+from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.rows.api import Damaged, StateEntry, StoreStats
 from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
-from tensorfold.tiers.device import KeptState
-from tensorfold.tiers.host import HostState
 from tensorfold.tiers.staged import CopiesView, Staged, from_slot, from_state
+from tensorfold.tiers.states import DiskState, HostState, KeptState
 from tensorfold.tiers.stats import TierStats
 
 if TYPE_CHECKING:
@@ -50,27 +48,6 @@ STAGE_BYTES = 2**30   # host memory states may take while they wait for the I/O 
 FLUSH_S = 10.0        # how long shutdown waits for the queue to be written
 IN_HAND_S = 5.0       # past that, how long it waits for the one state being written
 SPILL_STEP_S = 1e-6   # at shutdown, each state is stamped this much less recently used than the one before it
-
-
-@attrs.define(eq=False)
-class DiskState:
-    """A state on disk a request may resume from: the store's index entry, the prompt prefix it covers and the
-    partition it was found in (its names fold the partition in: rows/names.py)."""
-
-    tokens: tuple[int, ...]
-    at: int
-    cuts: tuple[int, ...]
-    entry: StateEntry
-    why: frozenset[str] = frozenset()
-    passed: bool = False
-    hits: int = 0
-    read_s: float = 0.0       # seconds its last read took (read and verify)
-    partition: str = ""
-
-    @property
-    def pages(self) -> tuple[int, ...]:
-        """A disk state shares no page: a resumer's lease starts empty."""
-        return ()
 
 
 class DiskTier:

@@ -17,54 +17,16 @@ the budget is refused and counted. States let go move to the disk tier when ther
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import attrs
 import torch
 
-from tensorfold.engine.memory import Claim, StreamMemory
 from tensorfold.kv import PagedStore
 from tensorfold.layout import DTYPES, RowState
+from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
-from tensorfold.tiers.base import Tier
-from tensorfold.tiers.device import KeptState
-
-if TYPE_CHECKING:
-    from tensorfold.tiers.disk import DiskTier
+from tensorfold.tiers.base import Lower, Tier
+from tensorfold.tiers.states import Copies, HostState, KeptState
 
 PIECE_BYTES = 2 * 2**20  # the smallest host → device copy: fewer, larger transfers run near the link's speed
-
-Copies = tuple[tuple[int, str, torch.Tensor], ...]
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-@attrs.define(eq=False)
-class HostState:
-    """A state at `at` held as host copies: `rows` every row state's entries [0, at), `fixed` every fixed state;
-    `partition` who may resume from it (tiers/policy.py)."""
-
-    tokens: tuple[int, ...]
-    at: int
-    cuts: tuple[int, ...]
-    rows: Copies = attrs.field(repr=False)
-    fixed: Copies = attrs.field(repr=False)
-    why: frozenset[str] = frozenset()
-    passed: bool = False
-    hits: int = 0
-    partition: str = ""
-
-    @property
-    def pages(self) -> tuple[int, ...]:
-        """A host state shares no page: a resumer's lease starts empty."""
-        return ()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of its row and fixed copies."""
-        return sum(_nbytes(t) for _, _, t in self.rows) + sum(_nbytes(t) for _, _, t in self.fixed)
 
 
 class HostTier(Tier[HostState]):
@@ -83,7 +45,7 @@ class HostTier(Tier[HostState]):
         self.cuda = memory.kv.device.type == "cuda"
         self.pin = self.cuda if pin is None else pin
         self.piece_bytes = piece_bytes
-        self.lower: DiskTier | None = None  # where states let go are written (tiers/chain.py sets it)
+        self.lower: Lower[HostState] | None = None  # where states let go are written (tiers/chain.py sets it)
         layout = memory.kv.layout
         self._specs: dict[tuple[int, str], RowState] = {
             (i, s.name): s for i, layer in enumerate(layout.layers) for s in layer.rows}

@@ -1,7 +1,7 @@
 """Which states are kept, which one a request resumes from, and which go first when a tier must make room.
 
 Keep points. A pass keeps its state at the last cut at or before each of its request's marks (engine/api.py
-KeepMarks, found by the server), so a later pass, whose cuts up to there are the same (engine/cuts.py), can resume:
+KeepMarks, found by the server), so a later pass, whose cuts up to there are the same (cuts.py), can resume:
 
     history end   where the rendered history ends (the generated turn's start; the prompt end when unknown):
                   the next turn of the conversation resumes here

@@ -6,11 +6,10 @@ from __future__ import annotations
 import attrs
 import torch
 
-from tensorfold.engine.memory import Claim
 from tensorfold.kv import KvStore, PagedStore
 from tensorfold.layout import Layout
-from tensorfold.tiers.device import KeptState
-from tensorfold.tiers.host import HostState
+from tensorfold.memory import Claim
+from tensorfold.tiers.states import HostState, KeptState, tensor_bytes
 
 Copies = dict[tuple[int, str], torch.Tensor]
 
@@ -36,7 +35,7 @@ class Staged:
     @property
     def nbytes(self) -> int:
         """Host bytes its copies hold while it waits."""
-        return sum(t.numel() * t.element_size() for part in (self.rows, self.fixed) for t in part.values())
+        return sum(tensor_bytes(t) for part in (self.rows, self.fixed) for t in part.values())
 
 
 class CopiesView:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorfold.engine.cuts import cuts_from, is_cut, plan_cuts, usable_starts
+from tensorfold.cuts import cuts_from, is_cut, plan_cuts, usable_starts
 from tensorfold.engine.grid import grid_cuts
 
 

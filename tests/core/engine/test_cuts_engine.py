@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
+from tensorfold.cuts import plan_cuts
 from tensorfold.engine.api import ErrorEvent, Request, Sampling, TokenEvent
-from tensorfold.engine.cuts import plan_cuts
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.kv import PagedStore
+from tensorfold.memory import StreamMemory
 from tensorfold.plan import StepPlan
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool

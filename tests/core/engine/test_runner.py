@@ -7,9 +7,9 @@ import queue
 import pytest
 
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Request, Sampling, TokenEvent
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.engine.runner import Engine
 from tensorfold.kv import PagedStore
+from tensorfold.memory import StreamMemory
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 from tensorfold.service import QueueFull

@@ -17,8 +17,8 @@ from tier_cases import LAYOUT, every_state, fill, paged, same_bytes, windowed
 from tensorfold.image import ImageFormat, read_out, row_offset
 from tensorfold.rows.store import RowsStore
 from tensorfold.rows.writer import Writer
-from tensorfold.tiers import DeviceTier, HostTier, KeptTiers
-from tensorfold.tiers.disk import DiskState, DiskTier
+from tensorfold.tiers import DeviceTier, DiskState, HostTier, KeptTiers
+from tensorfold.tiers.disk import DiskTier
 from tensorfold.tiers.policy import HISTORY, REWIND
 
 BIG = 1 << 30
@@ -260,10 +260,16 @@ def test_a_failing_write_is_counted_and_the_thread_goes_on():
 
 
 def test_a_flush_past_its_deadline_drops_the_queue():
-    gate = threading.Event()
-    writer: Writer[int] = Writer(lambda job: gate.wait(10), lambda job: 1, stage_bytes=100)
+    gate, in_hand = threading.Event(), threading.Event()
+
+    def write(job: int) -> None:
+        in_hand.set()
+        gate.wait(10)
+
+    writer: Writer[int] = Writer(write, lambda job: 1, stage_bytes=100)
     for job in range(3):
         writer.put(job)
+    assert in_hand.wait(10)  # the thread holds job 0 (not left to 50 ms of scheduling): exactly 2 are queued
     flushed = writer.flush(0.05)
     gate.set()
     assert flushed.written == 0 and flushed.dropped == 2 and writer.dropped == 2  # the job in hand finishes

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorfold.engine.cuts import plan_cuts
-from tensorfold.tiers.host import HostState
+from tensorfold.cuts import plan_cuts
 from tensorfold.tiers.policy import (
     HISTORY,
     REWIND,
@@ -17,8 +16,9 @@ from tensorfold.tiers.policy import (
     moves_past,
     resumable,
 )
+from tensorfold.tiers.states import HostState
 
-# length 1000, grid 400, min chunk 100, starts 50, 300, 330, 950: cuts 300, 700, 950, 1000 (engine/cuts.py)
+# length 1000, grid 400, min chunk 100, starts 50, 300, 330, 950: cuts 300, 700, 950, 1000 (cuts.py)
 CUTS = plan_cuts(1000, (50, 300, 330, 950), 400, 100)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tensorfold.engine.memory import StreamMemory
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
+from tensorfold.memory import StreamMemory
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 

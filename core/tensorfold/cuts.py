@@ -9,7 +9,7 @@ c₁ < c₂ < … < cₙ = length, where from the previous cut p (p = 0 first)
   not a cut, and it does not move the cuts after it. The previous cut may be a grid cut or a start.
 - Starts at or past `length`, at or before 0, and repeats are ignored; their order does not matter.
 - With no starts, next(p) = min(length, p + grid) from p = 0: the cuts are exactly the absolute grid k·grid
-  (`grid.grid_cuts`), so the switch off changes nothing.
+  (`engine/grid.py`), so the switch off changes nothing.
 - With starts, the grid runs on from the last cut: after a start cut s the next grid cut is s + grid. So every
   chunk but the last is at least min(grid, min_chunk) rows.
 - `length` is always the last cut, however close it is to the cut before.

@@ -1,0 +1,1 @@
+"""Stub package (bench/sglang_stubs/README.md)."""
