@@ -9,7 +9,9 @@ build), at 1/8/32/64/128 streams: how much of the kernels' speed the step loop h
              B requests of --prompt random tokens and --new new tokens each, submitted at once; decode tok/s =
              the tokens reported after the last stream's first token, over the time from that token to the last
              one (the probe of issue 14). One engine serves every level (as one server does), warmed per level
-             with a 2-token round; --engine-per-level builds one per level sized to it instead
+             with a 2-token round; --engine-per-level builds one per level sized to it instead. Decode steps
+             are launched ahead (TF_OVERLAP on, engine/ahead.py), as serve does by default
+    engine_sync  the same engine with TF_OVERLAP off: each step's ids read back before the next is planned
     hf       HF transformers on the same weights (gpu.hf_decode: greedy, one token per stream per call with its
              cache), --hf-steps steps
 
@@ -62,7 +64,9 @@ class Bench:
         began = time.perf_counter()
         self.runner.capture()
         self.capture_s = time.perf_counter() - began
-        self.engine = Engine(self.runner, memory, chunk, context, max_waiting=2 * parallel)
+        self.memory, self.chunk, self.context = memory, chunk, context
+        self.overlap = True
+        self.engine = Engine(self.runner, memory, chunk, context, max_waiting=2 * parallel, overlap=True)
         self.engine.start()
         self.parallel = parallel
         self.vocab = ours.vocab_size
@@ -91,6 +95,7 @@ class Bench:
 
         sampling = Sampling(temperature=0.0, max_tokens=new)
         replays = self.runner.replays
+        ahead = self.runner.ahead
         sync()
         began = time.perf_counter()
         for i in range(streams):
@@ -110,7 +115,18 @@ class Bench:
                 "full_batch_tok_s": full / (first_done - last_first) if first_done > last_first else None,
                 "ttft_p50_ms": statistics.median(ttfts), "ttft_max_ms": ttfts[-1],
                 "output_tok_s": streams * new / (end - began), "wall_s": end - began,
-                "decode_tokens_counted": after, "replays": self.runner.replays - replays}
+                "decode_tokens_counted": after, "replays": self.runner.replays - replays,
+                "ahead": self.runner.ahead - ahead}
+
+    def use(self, overlap: bool) -> None:
+        """Serve the next runs from an engine with steps launched ahead (TF_OVERLAP on) or read back first."""
+        if overlap == self.overlap:
+            return
+        self.engine.close()
+        self.engine = Engine(self.runner, self.memory, self.chunk, self.context, max_waiting=2 * self.parallel,
+                             overlap=overlap)
+        self.engine.start()
+        self.overlap = overlap
 
     def close(self) -> None:
         self.engine.close()
@@ -132,7 +148,9 @@ def main() -> None:
     parser.add_argument("--engine-per-level", action="store_true",
                         help="a fresh engine per level sized to it (the issue's probe), not one for all")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode on the same padded buffers")
-    parser.add_argument("--paths", nargs="+", default=["runner", "engine", "hf"], choices=["runner", "engine", "hf"])
+    parser.add_argument("--paths", nargs="+", default=["runner", "engine", "engine_sync", "hf"],
+                        choices=["runner", "engine", "engine_sync", "hf"],
+                        help="engine: steps launched ahead (TF_OVERLAP on, serve's default); engine_sync: off")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path)
@@ -153,13 +171,15 @@ def main() -> None:
     bench: Bench | None = None
     with torch.inference_mode():
         for streams in args.streams:                 # level by level, so that a run cut short keeps its ratios
-            got: dict[str, float | None] = dict.fromkeys(("runner", "engine", "hf"))
+            got: dict[str, float | None] = dict.fromkeys(("runner", "engine", "engine_sync", "hf"))
             if "runner" in args.paths:
                 seconds = our_decode(ours, layout, streams, args.prompt, args.new, args.chunk, graphs=graphs)
                 got["runner"] = streams / seconds
                 emit(args.out, **base, path="runner", streams=streams, tok_s=r(streams / seconds),
                      step_ms=r(seconds * 1e3, 3))
-            if "engine" in args.paths:
+            for path in ("engine", "engine_sync"):
+                if path not in args.paths:
+                    continue
                 if bench is None or args.engine_per_level:
                     if bench is not None:
                         bench.close()
@@ -170,22 +190,25 @@ def main() -> None:
                     bench = Bench(ours, layout, parallel, rows, args.context, args.chunk, graphs)
                     emit(args.out, bench="engine_capture", shape=args.shape, parallel=parallel,
                          sizes=len(bench.runner.sizes), capture_s=round(bench.capture_s, 2))
+                bench.use(overlap=path == "engine")
                 bench.run(streams, args.prompt, 2)                    # warm: this level's prefill shapes
                 run = bench.run(streams, args.prompt, args.new)
-                got["engine"] = run["tok_s"]
-                emit(args.out, **base, path="engine", streams=streams, parallel=bench.parallel,
+                got[path] = run["tok_s"]
+                emit(args.out, **base, path=path, streams=streams, parallel=bench.parallel,
                      tok_s=r(run["tok_s"]), full_batch_tok_s=r(run["full_batch_tok_s"]),
                      output_tok_s=r(run["output_tok_s"]), ttft_p50_ms=r(run["ttft_p50_ms"], 2),
                      ttft_max_ms=r(run["ttft_max_ms"], 2), wall_s=r(run["wall_s"], 3),
-                     decode_tokens_counted=run["decode_tokens_counted"], graph_replays=run["replays"])
+                     decode_tokens_counted=run["decode_tokens_counted"], graph_replays=run["replays"],
+                     steps_ahead=run["ahead"])
             if "hf" in args.paths and args.hf_steps > 0:
                 seconds = hf_decode(hf, streams, args.prompt, args.hf_steps)
                 got["hf"] = streams / seconds
                 emit(args.out, **base, path="hf", streams=streams, tok_s=r(streams / seconds), steps=args.hf_steps)
-            runner, engine, hf_s = got["runner"], got["engine"], got["hf"]
+            runner, engine, hf_s, sync_s = got["runner"], got["engine"], got["hf"], got["engine_sync"]
             emit(args.out, bench="engine_ratio", shape=args.shape, streams=streams, runner_tok_s=r(runner),
-                 engine_tok_s=r(engine), hf_tok_s=r(hf_s),
+                 engine_tok_s=r(engine), engine_sync_tok_s=r(sync_s), hf_tok_s=r(hf_s),
                  engine_over_runner=r(engine / runner, 3) if engine and runner else None,
+                 engine_sync_over_runner=r(sync_s / runner, 3) if sync_s and runner else None,
                  engine_over_hf=r(engine / hf_s, 2) if engine and hf_s else None,
                  runner_over_hf=r(runner / hf_s, 2) if runner and hf_s else None)
     if bench is not None:

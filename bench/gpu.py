@@ -156,8 +156,9 @@ def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int, gr
     runner.capture()
     position = [prompt]
 
-    def step() -> None:
-        plan = StepPlan(tuple(StreamStep(s, position[0], (7,)) for s in range(batch)))
+    def step() -> None:  # each stream feeds its own tokens, so a MoE routes them as it routes a real batch's
+        at = position[0]
+        plan = StepPlan(tuple(StreamStep(s, at, (tokens[s][at % prompt],)) for s in range(batch)))
         runner.forward(plan, store)
         position[0] += 1
 

@@ -1,8 +1,9 @@
 """Closed-loop load over HTTP: N clients each send a streamed chat request, wait for it, and send the next.
 
-Prints one JSON line per concurrency level: aggregate tokens/s, TTFT and inter-token latency p50/p99, and the
-pool's use seen on /memory during the run. Starts `tensorfold serve` (the embedded default, or --model) unless
---url points at a running server.
+Prints one JSON line per concurrency level: aggregate tokens/s, TTFT and inter-token latency p50/p99, the pool's use
+seen on /memory during the run, and the server process's CPU time per completion token: all its threads, and its
+main thread alone (uvicorn's event loop: HTTP, detokenization, SSE). Starts `tensorfold serve` (the embedded
+default, or --model) unless --url points at a running server (then --pid gives its CPU figures).
 
     python bench/serve_load.py --family example --levels 1 4 16 32 --seconds 20
 """
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -67,14 +69,35 @@ async def watch_pool(url: str, deadline: float, seen: list[dict]) -> None:
             await asyncio.sleep(0.5)
 
 
-async def level(url: str, clients: int, seconds: float, max_tokens: int, words: int) -> dict:
+def cpu_seconds(pid: int | None) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of process `pid`, all threads, and of its main thread; (nan, nan) without
+    a pid."""
+    if pid is None:
+        return float("nan"), float("nan")
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def read(stat: str) -> float:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()  # after the command name: state is fields[0]
+        return (int(fields[11]) + int(fields[12])) / tick          # utime, stime
+
+    return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+
+
+def per_token_ms(seconds: float, tokens: int) -> float | None:
+    return round(1000 * seconds / tokens, 3) if tokens and seconds == seconds else None
+
+
+async def level(url: str, clients: int, seconds: float, max_tokens: int, words: int, pid: int | None) -> dict:
     stats = {"tokens": 0, "requests": 0, "ttft": [], "itl": []}
     pool: list[dict] = []
+    cpu_before = cpu_seconds(pid)
     start = time.perf_counter()
     deadline = start + seconds
     await asyncio.gather(watch_pool(url, deadline, pool),
                          *(client_loop(url, i, deadline, stats, max_tokens, words) for i in range(clients)))
     elapsed = time.perf_counter() - start
+    cpu_after = cpu_seconds(pid)
+    server_cpu, loop_cpu = (after - before for after, before in zip(cpu_after, cpu_before, strict=True))
     leased = [p.get("leased", 0) / max(p.get("pages", 1), 1) for p in pool]
     return {"bench": "serve_load", "clients": clients, "seconds": round(elapsed, 2), "requests": stats["requests"],
             "completion_tokens": stats["tokens"], "tok_per_s": round(stats["tokens"] / elapsed, 2),
@@ -83,7 +106,9 @@ async def level(url: str, clients: int, seconds: float, max_tokens: int, words: 
             "itl_p50_ms": round(1000 * percentile(stats["itl"], 0.5), 2),
             "itl_p99_ms": round(1000 * percentile(stats["itl"], 0.99), 2),
             "pool_leased_mean": round(statistics.fmean(leased), 3) if leased else None,
-            "running_max": max((p.get("running", 0) for p in pool), default=0)}
+            "running_max": max((p.get("running", 0) for p in pool), default=0),
+            "server_cpu_ms_per_token": per_token_ms(server_cpu, stats["tokens"]),
+            "loop_cpu_ms_per_token": per_token_ms(loop_cpu, stats["tokens"])}
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -110,6 +135,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server; without it one is started")
+    parser.add_argument("--pid", type=int, help="with --url: the server's process id, for the CPU figures")
     parser.add_argument("--family", default="example")
     parser.add_argument("--model")
     parser.add_argument("--parallel", default="32")
@@ -119,10 +145,11 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=40)
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
+    pid = proc.pid if proc is not None else args.pid
     try:
         for clients in args.levels:
-            print(json.dumps(asyncio.run(level(url, clients, args.seconds, args.max_tokens, args.prompt_words))),
-                  flush=True)
+            result = level(url, clients, args.seconds, args.max_tokens, args.prompt_words, pid)
+            print(json.dumps(asyncio.run(result)), flush=True)
     finally:
         if proc is not None:
             proc.terminate()

@@ -313,7 +313,8 @@ def boot(settings: Settings, family: Family) -> Loaded:
     tier, host = build_tiers(settings, memory, host_bytes)
     stats = EngineStats()
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
-                    min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk, stats=stats)
+                    min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk, stats=stats,
+                    overlap=isinstance(model, DecodeRunner) and settings.switch("TF_OVERLAP"))
     name = settings.served_name or checkpoint.directory.name
     service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),

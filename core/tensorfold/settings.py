@@ -28,6 +28,7 @@ CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
     ("TF_KV_POISON", False),  # on: every page handed out is filled with NaN first
     ("TF_CUDA_GRAPHS", True),  # on: decode steps replay CUDA graphs (GPU only); off: the same decode, eager
+    ("TF_OVERLAP", True),  # on: a decode step is launched before the last one's ids are read back (GPU only)
     ("TF_IMPRINT_VERIFY", False),  # on: every state written to disk is read back and compared byte for byte
 )
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -48,6 +49,16 @@ class ErrorEvent:
 Event = TokenEvent | DoneEvent | ErrorEvent
 
 
+class EventSink(Protocol):
+    """Where the events of requests that name it go, in bulk: the engine thread calls `deliver` once per step with
+    that step's events for all of them, in order, so a receiver on another thread is woken once per step, not once
+    per token. It must not block; an event loop's sink hands the batch over with one `call_soon_threadsafe`."""
+
+    def deliver(self, events: Sequence[tuple[Request, Event]]) -> None:
+        """Take a batch of (request, event) pairs, each request's in the order they happened."""
+        ...
+
+
 class DeviceLost(Exception):
     """Raised by a family's forward when its device cannot compute any more (a lost GPU, a sticky kernel fault):
     the engine stops for good, /health answers 503 and `serve` exits with status 3 for a supervisor to restart it
@@ -66,7 +77,9 @@ class KeepMarks:
 
 @attrs.define
 class Request:
-    """A prompt to continue; `on_event` is called from the engine thread and must not block. `starts` are the
+    """A prompt to continue. Without a `sink`, `on_event` is called on the engine thread as each event happens and
+    must not block (one that raises on a token fails the request); with one, the events go to the sink in one batch
+    per step and the sink calls `on_event` where it lives (the server's: on its event loop). `starts` are the
     prompt positions where requests (chat messages) start: prefill also cuts there (cuts.py); empty, the
     grid alone. `marks` say where states worth resuming at lie. `partition` names the kept states it may resume
     from and those it keeps: only states kept under the same partition (server/isolation.py)."""
@@ -79,6 +92,7 @@ class Request:
     starts: tuple[int, ...] = attrs.field(default=(), converter=tuple, kw_only=True)
     marks: KeepMarks = attrs.field(factory=KeepMarks, kw_only=True)
     partition: str = attrs.field(default="", kw_only=True)  # kept states' namespace: "" shared, else its own
+    sink: EventSink | None = attrs.field(default=None, kw_only=True, repr=False)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request at its next step (client gone, stop string seen)."""

@@ -6,6 +6,8 @@ replayed from CUDA graphs on the GPU.
         each); rows past the streams are padding (slot -1: no state read or written)
         GPU: replay the graph captured for that size; elsewhere: call `decode` on the buffers
     any other step (prefill chunks, mixed steps, a one-token prompt): the family's `forward`
+    a step launched ahead (engine/ahead.py, `forward_ahead`): the same, its tokens gathered on the device from the
+        previous step's sampled ids
 
 A graph replays the kernels recorded at capture with the buffers' current contents, so a step's launches cost one
 replay instead of hundreds of kernel launches. The wrapper is itself a FamilyModel, so the engine never knows.
@@ -60,8 +62,11 @@ class DecodeRunner:
         self._rows = torch.zeros((3, top), dtype=torch.int64, device=kv.device)
         self._tables = torch.zeros((top, width), dtype=torch.int32, device=kv.device)
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._slot_tables = torch.zeros((kv.slots, width), dtype=torch.int32)  # each slot's last table, on the host
+        self._slot_seen: list[tuple[int, ...] | None] = [None] * kv.slots     # the table each row was copied from
         self._copied = torch.cuda.Event() if pinned else None     # the staging buffers are free again
         self.replays = 0
+        self.ahead = 0  # steps launched on a previous step's ids still on the device
 
     def batch(self, size: int) -> DecodeBatch:
         """The static buffers' first `size` rows as a DecodeBatch."""
@@ -98,23 +103,38 @@ class DecodeRunner:
 
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
         """The step's float32 logits [plan.sampled, V], by the decode path when it covers the step."""
+        out = self._decode(plan, None) if self.covers(plan, kv) else None
+        return out if out is not None else self.model.forward(plan, kv)
+
+    def forward_ahead(self, plan: StepPlan, kv: KvStore, source: torch.Tensor) -> torch.Tensor | None:
+        """`forward` for a decode step whose tokens are still on the device: each share's token is the index of
+        its row in `source` (a step's sampled ids, int64, not yet read back; -1, a refused row, feeds token 0).
+        None when the decode path does not take the step: the caller reads the ids back and plans it as usual."""
         if not self.covers(plan, kv):
-            return self.model.forward(plan, kv)
+            return None
+        out = self._decode(plan, source)
+        self.ahead += out is not None
+        return out
+
+    def _decode(self, plan: StepPlan, source: torch.Tensor | None) -> torch.Tensor | None:
+        """Fill the static buffers in bulk (rows by one copy, tables from the per-slot cache), replay or call
+        `decode`; None when a table does not fit the buffers."""
         n = len(plan.streams)
         size = next(s for s in self.sizes if s >= n)
-        width = self._host_tables.shape[1]
+        slots = [step.slot for step in plan.streams]
+        if not self._cache_tables(slots):
+            return None
         if self._copied is not None:
             self._copied.synchronize()
         self._pad(n)
-        for i, step in enumerate(plan.streams):
-            table = self.kv.host_table(step.slot)
-            if len(table) > width:
-                return self.model.forward(plan, kv)
-            self._host_rows[0, i], self._host_rows[1, i], self._host_rows[2, i] = step.tokens[0], step.start, step.slot
-            self._host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            self._host_tables[i, len(table):] = 0
+        self._host_rows[:, :n] = torch.tensor([[step.tokens[0] for step in plan.streams],
+                                               [step.start for step in plan.streams], slots], dtype=torch.int64)
+        torch.index_select(self._slot_tables, 0, self._host_rows[2, :n], out=self._host_tables[:n])
         self._rows[:, :size].copy_(self._host_rows[:, :size], non_blocking=True)
         self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+        if source is not None:  # the tokens row holds rows of `source`: the ids themselves never visit the host
+            picked = source.index_select(0, self._rows[0, :n]).clamp_(min=0)
+            self._rows[0, :n].copy_(picked)
         if self._copied is not None:
             self._copied.record()
         if size in self._captured:
@@ -124,6 +144,22 @@ class DecodeRunner:
         else:
             out = self.model.decode(self.batch(size), self.kv)
         return out[:n].clone()
+
+    def _cache_tables(self, slots: list[int]) -> bool:
+        """Bring the slots' rows of the host table cache up to date (a slot's table is copied only when it
+        changed); False when one is wider than the buffers."""
+        width = self._slot_tables.shape[1]
+        for slot in slots:
+            table = self.kv.host_table(slot)
+            seen = self._slot_seen[slot]
+            if table is seen or table == seen:
+                continue
+            if len(table) > width:
+                return False
+            self._slot_tables[slot, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            self._slot_tables[slot, len(table):] = 0
+            self._slot_seen[slot] = table
+        return True
 
     def _pad(self, first: int) -> None:
         """Rows from `first` on become padding: token 0 at position 0, slot -1, table of page 0."""

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tensorfold.engine.ahead import InFlight, ahead_of, is_decode
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, TokenEvent
 from tensorfold.engine.failures import LoopStopped, death_reason, device_lost, failed_request, named
+from tensorfold.engine.outbox import Outbox
 from tensorfold.engine.sampler import NonFiniteLogits, Sampler, refused
 from tensorfold.engine.scheduler import Scheduler
 from tensorfold.engine.stats import EngineStats
@@ -36,6 +38,7 @@ from tensorfold.service import EngineDead, QueueFull
 from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 if TYPE_CHECKING:
+    from tensorfold.plan import StepPlan
     from tensorfold.tiers.device import DeviceTier
     from tensorfold.tiers.disk import DiskTier
     from tensorfold.tiers.host import HostTier
@@ -50,8 +53,13 @@ class Engine:
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
                  max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
                  host: HostTier | None = None, disk: DiskTier | None = None,
-                 stats: EngineStats | None = None) -> None:
+                 stats: EngineStats | None = None, overlap: bool = False) -> None:
         self.model = model
+        # with `overlap`, decode steps are launched ahead (engine/ahead.py) when the model can take its tokens on
+        # the device: graphs.DecodeRunner.forward_ahead
+        self._ahead = getattr(model, "forward_ahead", None) if overlap else None
+        self._inflight: InFlight | None = None  # a decode step launched and not read back yet
+        self._read_at = 0.0                     # when the last step's ids were read back
         self.stats = stats if stats is not None else EngineStats()
         self.memory = memory
         self.tier = tier
@@ -71,6 +79,7 @@ class Engine:
         self._suspect: str | None = None  # the last failure recovered from, until the idle integrity check passes
         self._failed_steps = 0            # steps failed as a whole since the last one that completed
         self._step_streams: list[Stream] | None = None
+        self._outbox = Outbox()  # events to sinks leave once per step (engine/outbox.py)
         self._thread = threading.Thread(target=self._run, name="tensorfold-engine", daemon=True)
 
     @property
@@ -133,7 +142,7 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            idle = not self.scheduler.running and not self.scheduler.waiting
+            idle = not self.scheduler.running and not self.scheduler.waiting and self._inflight is None
             if idle:
                 self._check_memory()
             self._take_inbox(block=idle)
@@ -193,17 +202,29 @@ class Engine:
             self._queued -= count
 
     def _step(self) -> None:
-        self._reap_cancelled()
-        self._admit()
-        planned = self.scheduler.plan()
-        if planned is None:
-            return
-        plan, streams = planned
+        with self._outbox.held():  # the step's events leave in one hand-off per sink when it ends, however it ends
+            self._reap_cancelled()
+            if self._inflight is not None:
+                self._step_ahead(self._inflight)
+                return
+            self._admit()
+            self._outbox.flush()  # cancels and refused admissions leave now, not after the forward
+            planned = self.scheduler.plan()
+            if planned is None:
+                return
+            self._forward(*planned)
+
+    def _forward(self, plan: StepPlan, streams: list[Stream]) -> None:
+        """The planned step: the forward, the batched draw, then each stream's part (failing that stream alone)."""
         self._step_streams = streams
         started = time.monotonic()
         logits = self.model.forward(plan, self.memory.kv)
         drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
         tokens: list[int] = []
+        if drawn and self._ahead is not None and is_decode(plan):  # read back once the next step is launched
+            ids = self.sampler.draw(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
+            self._inflight = InFlight.launched(plan, streams, ids, logits, started)
+            return
         if drawn:
             tokens = self.sampler.sample(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
         self._failed_steps = 0
@@ -224,6 +245,45 @@ class Engine:
                     self._sampled(stream, tokens[mine], logits[mine], now)
             except Exception as err:
                 self._stream_failed(stream, err)
+
+    def _step_ahead(self, step: InFlight) -> None:
+        """A decode step is in flight: launch the next one from its ids on the device (unless a request waits
+        for a free slot, or none of its streams goes on), then read it back and hand out its tokens."""
+        self._inflight = None
+        self._step_streams = step.streams
+        if not (self.scheduler.waiting and self.memory.slots.free > 0):
+            self._inflight = self._launch_ahead(step)
+        tokens = step.ids()
+        self._failed_steps = 0
+        now = time.monotonic()
+        self.stats.step(0, len(step.streams), now - max(step.started, self._read_at))
+        self._read_at = now
+        for row, (stream, share) in enumerate(zip(step.streams, step.plan.streams, strict=True)):
+            if stream.ended:  # ended at an earlier step: this row was launched ahead and is dropped
+                continue
+            try:
+                if stream.request.cancelled.is_set():
+                    self._end(stream, "cancelled")
+                    continue
+                stream.position = share.end
+                self._sampled(stream, tokens[row], step.logits[row], now)
+            except Exception as err:
+                self._stream_failed(stream, err)
+
+    def _launch_ahead(self, step: InFlight) -> InFlight | None:
+        """The decode step after `step`, launched on its ids still on the device; None when there is none."""
+        planned = ahead_of(step, self.context)
+        if planned is None:
+            return None
+        plan, streams = planned
+        for stream, share in zip(streams, plan.streams, strict=True):
+            self.memory.extend(stream.claim, share.end)
+        started = time.monotonic()
+        logits = self._ahead(plan, self.memory.kv, step.tokens)
+        if logits is None:
+            return None
+        ids = self.sampler.draw(logits, [s.sample_row for s in streams], [s.produced + 1 for s in streams])
+        return InFlight.launched(plan, streams, ids, logits, started)
 
     def _admit(self) -> None:
         """Admit what fits; each admission that raised fails its request alone."""
@@ -256,6 +316,7 @@ class Engine:
     def _step_failed(self, err: Exception) -> None:
         """A step raised where no one stream is to blame: fail the streams of the step (every running one when
         the plan was not made yet); stop the loop when the device is lost or steps keep failing."""
+        self._inflight = None  # a step launched ahead belongs to streams failed here, or is read no more
         if device_lost(err):
             raise err
         self._failed_steps += 1
@@ -282,7 +343,7 @@ class Engine:
             raise refused(logits)
         self.stats.token(stream.request.id, now)
         stream.produced += 1
-        stream.request.on_event(TokenEvent(token))
+        self._outbox.emit(stream.request, TokenEvent(token))
         sampling = stream.request.sampling
         if token in sampling.stop_token_ids:
             self._end(stream, "stop")
@@ -316,7 +377,7 @@ class Engine:
         reason = event.finish_reason if isinstance(event, DoneEvent) else "error"
         self.stats.finished(request.id, reason, time.monotonic())
         try:
-            request.on_event(event)
+            self._outbox.emit(request, event)
         except Exception:
             log.exception("%s: its event handler raised on %s", request.id, type(event).__name__)
 
@@ -329,17 +390,18 @@ class Engine:
             self._stopping = True
         self._dead.set()
         event = ErrorEvent(f"the engine stopped: {reason}")
-        for stream in list(self.scheduler.running):
-            self._finish(stream, event)
-        while self.scheduler.waiting:
-            self._tell(self.scheduler.waiting.popleft(), event)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._tell(item, event)
+        with self._outbox.held():  # every request's last event, in one hand-off per sink
+            for stream in list(self.scheduler.running):
+                self._finish(stream, event)
+            while self.scheduler.waiting:
+                self._tell(self.scheduler.waiting.popleft(), event)
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    self._tell(item, event)
 
     def snapshot(self) -> dict[str, object]:
         """Streams and memory now, for /memory (read from another thread: numbers may be a step old); `failure`

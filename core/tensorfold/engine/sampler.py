@@ -83,6 +83,11 @@ class Sampler:
         """Token ids for logits [B, V], row i drawn with rows[i] as its token number counters[i]; -1 for a row
         whose logits hold NaN or +inf, or only -inf. One device->host copy (and one small host->device copy of the
         sampled rows' parameters when any row samples)."""
+        return self.draw(logits, rows, counters).tolist()
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> torch.Tensor:
+        """`sample`'s ids left on the logits' device, int64 [B]: nothing waits for the device, so the step loop
+        can prepare the next step while this one runs (engine/ahead.py)."""
         best = logits.argmax(dim=-1)
         top = logits.gather(1, best[:, None]).squeeze(1)
         drawn = [i for i, row in enumerate(rows) if not row.greedy]
@@ -94,17 +99,18 @@ class Sampler:
             picked = self._draw(subset, top if whole else top.index_select(0, index), packed,
                                 any(rows[i].sorts for i in drawn))
             best = picked if whole else best.index_copy(0, index, picked)
-        return torch.where(torch.isfinite(top), best, -1).tolist()
+        return torch.where(torch.isfinite(top), best, -1)
 
     def _pack(self, rows: Sequence[SampleRow], counters: Sequence[int], index: Sequence[int],
               device: torch.device) -> torch.Tensor:
         """The sampled rows' parameters as int64 [R, 6]: 4 float64 words, the noise key, the row in the step."""
-        host = torch.empty((len(rows), 6), dtype=torch.int64)
+        pinned = device.type == "cuda"  # a pinned source copies without waiting for the device's queue
+        host = torch.empty((len(rows), 6), dtype=torch.int64, pin_memory=pinned)
         host[:, :4] = torch.tensor([row.values for row in rows], dtype=torch.float64).view(torch.int64)
         host[:, 4] = noise.keys(torch.tensor([row.root for row in rows], dtype=torch.int64),
                                 torch.tensor(counters, dtype=torch.int64))
         host[:, 5] = torch.tensor(index, dtype=torch.int64)
-        return host.to(device)
+        return host.to(device, non_blocking=pinned)
 
     def _draw(self, logits: torch.Tensor, top: torch.Tensor, packed: torch.Tensor, sorts: bool) -> torch.Tensor:
         """Each row's token: the argmax of its kept x plus its Gumbel noise."""

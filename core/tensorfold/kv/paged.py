@@ -30,7 +30,7 @@ class PagedStore(KvStore):
              for s in layer.rows}
             for layer in layout.layers
         ]
-        self._tables: list[torch.Tensor] = [torch.empty(0, dtype=torch.long, device=self.device)] * slots
+        self._tables: list[torch.Tensor | None] = [None] * slots  # made from the host table when first read
         self._host_tables: list[tuple[int, ...]] = [()] * slots
 
     @property
@@ -44,9 +44,17 @@ class PagedStore(KvStore):
         return self.pages * self.page_bytes + self.fixed_nbytes
 
     def bind(self, slot: int, table: list[int]) -> None:
-        """Set the slot's page table (its pages in row order)."""
-        self._tables[slot] = torch.tensor(table, dtype=torch.long, device=self.device)
+        """Set the slot's page table (its pages in row order). Its device copy is made when a forward first reads
+        it: a decode step that reads the host tables (engine/graphs.py) never waits for a copy."""
+        self._tables[slot] = None
         self._host_tables[slot] = tuple(table)
+
+    def _table(self, slot: int) -> torch.Tensor:
+        """The slot's page table on the device."""
+        table = self._tables[slot]
+        if table is None:
+            table = self._tables[slot] = torch.tensor(self._host_tables[slot], dtype=torch.long, device=self.device)
+        return table
 
     def host_table(self, slot: int) -> tuple[int, ...]:
         """The slot's page table as host ints (no device read)."""
@@ -62,10 +70,10 @@ class PagedStore(KvStore):
 
     def tables(self, slots: list[int]) -> torch.Tensor:
         """The slots' page tables, padded with 0: int32 [len(slots), widest]."""
-        width = max((self._tables[s].numel() for s in slots), default=0)
+        width = max((len(self._host_tables[s]) for s in slots), default=0)
         out = torch.zeros((len(slots), max(width, 1)), dtype=torch.int32, device=self.device)
         for i, slot in enumerate(slots):
-            table = self._tables[slot]
+            table = self._table(slot)
             out[i, : table.numel()] = table
         return out
 
@@ -84,7 +92,7 @@ class PagedStore(KvStore):
         entries = end // self._every[layer][name]
         per_page = state.shape[1]
         used = -(-entries // per_page)
-        table = self._tables[slot]
+        table = self._table(slot)
         if used > table.numel():
             raise IndexError(f"slot {slot} reads {entries} entries of {name!r}; its {table.numel()} pages hold "
                              f"{table.numel() * per_page}")
@@ -95,7 +103,7 @@ class PagedStore(KvStore):
         state = self._pages[layer][name]
         self._check(layer, name, values, state)
         per_page = state.shape[1]
-        table = self._tables[slot]
+        table = self._table(slot)
         entry = torch.arange(values.shape[0], device=self.device) + start // self._every[layer][name]
         if values.shape[0] and int(entry[-1]) // per_page >= table.numel():
             raise IndexError(f"slot {slot} writes {name!r} entry {int(entry[-1])}; its {table.numel()} pages hold "

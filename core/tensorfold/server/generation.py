@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import attrs
@@ -12,10 +12,10 @@ import attrs
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, TokenEvent
 from tensorfold.server.detok import StopText
 from tensorfold.server.errors import UNAVAILABLE, ApiError, engine_failed, queue_full
+from tensorfold.server.handoff import sink_for
 from tensorfold.server.params import Generate
 from tensorfold.service import EngineDead, QueueFull, Service
 
-log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there
 Disconnected = Callable[[], Awaitable[bool]]
 
@@ -60,7 +60,8 @@ class ClientGone(Exception):
 
 
 class Generation:
-    """Submits one request and yields its Pieces then one Finish; cancels the engine's work when abandoned."""
+    """Submits one request and yields its Pieces then one Finish; cancels the engine's work when abandoned. Its
+    events come through the loop's sink (server/handoff.py): one hop per engine step for every request on the loop."""
 
     def __init__(self, service: Service, params: Generate, prefix: str, partition: str = "") -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -69,20 +70,20 @@ class Generation:
         self.finished = False
         self._service = service
         self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._peeked: Event | None = None
+        self._events: deque[Event] = deque()
+        self._wake: asyncio.Future[None] | None = None  # set while the reader waits for an event
         self._since = 0  # token ids not yet handed out with a Piece
         self._check_at = self._loop.time() + POLL_S  # when to next ask whether the client is still there
         self.request = Request(id=self.id, prompt=params.prompt, sampling=params.sampling,
-                               on_event=self._on_event, starts=params.starts, marks=params.marks,
-                               partition=partition)
+                               on_event=self._receive, starts=params.starts, marks=params.marks,
+                               partition=partition, sink=sink_for(self._loop))
 
-    def _on_event(self, event: Event) -> None:
-        """Engine thread: hand the event to the loop; a loop already closed (shutdown) drops it."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:
-            log.debug("event for %s dropped: the event loop is closed", self.id)
+    def _receive(self, event: Event) -> None:
+        """On the loop, from the sink's batch: queue the event and wake the reader."""
+        self._events.append(event)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def submit(self) -> None:
         """Queue the request with the engine; a full queue, or an engine stopped for good, is a 503."""
@@ -98,56 +99,74 @@ class Generation:
         if not self.finished:
             self.request.cancel()
 
-    async def _next(self, disconnected: Disconnected | None) -> Event:
-        """The next event; with `disconnected`, give up (and cancel) when the client goes away."""
-        if self._peeked is not None:
-            event, self._peeked = self._peeked, None
-            return event
-        if disconnected is None:
-            return await self._events.get()
+    async def _arrived(self, disconnected: Disconnected | None) -> None:
+        """Return once an event is queued; with `disconnected`, give up (and cancel) when the client goes away."""
         while True:
-            if self._loop.time() >= self._check_at:  # checked on a clock: tokens may never leave a gap
-                self._check_at = self._loop.time() + POLL_S
+            if disconnected is not None and self._loop.time() >= self._check_at:  # on a clock: tokens may never
+                self._check_at = self._loop.time() + POLL_S                     # leave a gap
                 if await disconnected():
                     self.abandon()
                     raise ClientGone(self.id)
-            if not self._events.empty():
-                return self._events.get_nowait()
+            if self._events:
+                return
+            self._wake = wake = self._loop.create_future()
+            timer = None if disconnected is None else self._loop.call_later(POLL_S, _wake_up, wake)
             try:
-                return await asyncio.wait_for(self._events.get(), POLL_S)
-            except TimeoutError:
-                pass
+                await wake
+            finally:
+                self._wake = None
+                if timer is not None:
+                    timer.cancel()
 
     async def first_event_ok(self, disconnected: Disconnected | None) -> None:
         """Wait for the first event so that a failure before any output is a plain 500, not a broken stream."""
-        event = await self._next(disconnected)
-        self._peeked = event
+        await self._arrived(disconnected)
+        event = self._events[0]
         if isinstance(event, ErrorEvent):
+            self._events.popleft()
             self.finished = True
             raise engine_failed(event.message)
 
-    async def pieces(self, disconnected: Disconnected | None = None) -> AsyncIterator[Piece | Finish]:
-        """Pieces of text as they become safe to send, then one Finish; an ErrorEvent raises EngineFailed."""
+    async def batches(self, disconnected: Disconnected | None = None) -> AsyncIterator[list[Piece | Finish]]:
+        """At each wake-up, the Pieces of every event that arrived (one per token that made text), the last batch
+        ending with one Finish; an ErrorEvent raises EngineFailed after the batch of the events before it."""
         while True:
-            event = await self._next(disconnected)
-            if isinstance(event, TokenEvent):
-                if self.text.stopped:
-                    continue
-                text = self.text.push(event.token_id)
-                if self.text.stopped:
-                    self.request.cancel()
-                if text:
-                    yield self._piece(text)
-            elif isinstance(event, DoneEvent):
-                self.finished = True
-                rest = self.text.finish()
-                if rest or self._since < len(self.text.ids):
-                    yield self._piece(rest)
-                yield Finish(self._reason(event), self._usage(event))
-                return
-            elif isinstance(event, ErrorEvent):
-                self.finished = True
-                raise EngineFailed(event.message)
+            await self._arrived(disconnected)
+            items: list[Piece | Finish] = []
+            failed: str | None = None
+            while self._events and failed is None:
+                event = self._events.popleft()
+                if isinstance(event, TokenEvent):
+                    self._token(event.token_id, items)
+                elif isinstance(event, DoneEvent):
+                    self.finished = True
+                    self._done(event, items)
+                    yield items
+                    return
+                else:
+                    self.finished = True
+                    failed = event.message
+            if items:
+                yield items
+            if failed is not None:
+                raise EngineFailed(failed)
+
+    def _token(self, token_id: int, items: list[Piece | Finish]) -> None:
+        """One token through the stop-string decoder: a Piece when it made text; a stop string cancels the rest."""
+        if self.text.stopped:
+            return
+        text = self.text.push(token_id)
+        if self.text.stopped:
+            self.request.cancel()
+        if text:
+            items.append(self._piece(text))
+
+    def _done(self, event: DoneEvent, items: list[Piece | Finish]) -> None:
+        """The text held back, then the Finish."""
+        rest = self.text.finish()
+        if rest or self._since < len(self.text.ids):
+            items.append(self._piece(rest))
+        items.append(Finish(self._reason(event), self._usage(event)))
 
     def _piece(self, text: str) -> Piece:
         ids = tuple(self.text.ids[self._since:])
@@ -167,3 +186,9 @@ class Generation:
     def token_ids(self) -> list[int]:
         """The completion's token ids so far (up to the stop string's last token when one was seen)."""
         return list(self.text.ids)
+
+
+def _wake_up(wake: asyncio.Future[None]) -> None:
+    """The poll clock's tick: wake a reader that waits for events, so it can ask about its client."""
+    if not wake.done():
+        wake.set_result(None)

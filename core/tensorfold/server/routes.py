@@ -49,11 +49,12 @@ async def answer(request: Request, service: Service, params: Generate, kind: str
     texts: list[str] = []
     finish: Finish | None = None
     try:
-        async for item in generation.pieces(request.is_disconnected):
-            if isinstance(item, Finish):
-                finish = item
-            else:
-                texts.append(item.text)
+        async for batch in generation.batches(request.is_disconnected):
+            for item in batch:
+                if isinstance(item, Finish):
+                    finish = item
+                else:
+                    texts.append(item.text)
     except EngineFailed as err:
         raise engine_failed(str(err)) from err
     except ClientGone:

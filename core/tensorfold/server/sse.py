@@ -29,24 +29,31 @@ def event(payload: dict[str, Any]) -> bytes:
 
 
 async def chunks(generation: Generation, shaper: Shaper, include_usage: bool) -> AsyncIterator[bytes]:
-    """The stream body: a role chunk (chat), text chunks, the finish chunk, the usage chunk if asked, [DONE]."""
+    """The stream body: a role chunk (chat), text chunks, the finish chunk, the usage chunk if asked, [DONE]. The
+    events of one wake-up go out as one body write; the events themselves are one per Piece whatever the batching."""
     prompt: list[int] | None = list(generation.params.prompt)
+    parts: list[bytes] = []
     if shaper.kind == CHAT:
-        yield event(shaper.chunk("", role=True, prompt=prompt))
+        parts.append(event(shaper.chunk("", role=True, prompt=prompt)))
         prompt = None
     try:
-        async for item in generation.pieces():
-            if isinstance(item, Finish):
-                yield event(shaper.chunk(None, item.finish_reason, prompt=prompt))
-                if include_usage:
-                    yield event(shaper.usage_chunk(item.usage))
-            elif item.text or (shaper.return_token_ids and item.token_ids):
-                yield event(shaper.chunk(item.text, token_ids=item.token_ids, prompt=prompt))
-                prompt = None
+        async for batch in generation.batches():
+            for item in batch:
+                if isinstance(item, Finish):
+                    parts.append(event(shaper.chunk(None, item.finish_reason, prompt=prompt)))
+                    if include_usage:
+                        parts.append(event(shaper.usage_chunk(item.usage)))
+                elif item.text or (shaper.return_token_ids and item.token_ids):
+                    parts.append(event(shaper.chunk(item.text, token_ids=item.token_ids, prompt=prompt)))
+                    prompt = None
+            if parts and not generation.finished:  # the last batch leaves with [DONE]
+                yield b"".join(parts)
+                parts = []
     except EngineFailed as err:
         log.warning("request %s failed mid-stream: %s", generation.id, err)
-        yield event(envelope(str(err), SERVER))
-    yield DONE
+        parts.append(event(envelope(str(err), SERVER)))
+    parts.append(DONE)
+    yield b"".join(parts)
 
 
 class EventStream(StreamingResponse):
