@@ -3,8 +3,11 @@
     rows of all streams -> one [N, E] tensor; norms and MLPs run once over all N rows
     1-row streams:  the decode step's own layer functions (decode.py), batched over their slots, so a stream's
                     decode row computes the same thing whether a step also holds prefill chunks or not
-    longer streams: one stream at a time: conv prefill + chunked delta rule (GDN); keys/values written through
-                    the stream's page table, then paged prefill attention
+    longer streams: packed end to end, their GEMMs, norms and rotations once over all their rows; the causal
+                    conv one stream at a time (its tail is the stream's); the chunked delta rule in one varlen
+                    call (cu_seqlens, each stream's initial state gathered by slot, final states scattered back);
+                    keys and values written through each row's page table, then one varlen paged prefill
+                    attention. A step's launches grow with its layers, not with its prefilling streams
 
 It computes what `QwenModel.hidden` computes, but a row's GEMMs now share a batch with other streams' rows, so
 its bits may depend on the batch (a GEMM's kernel choice depends on N): concurrent == solo is measured on the
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 
 from tensorfold.kernels.causal_conv1d import causal_conv1d_prefill
 from tensorfold.kernels.gated_delta import chunk_gated_delta, gdn_gate
-from tensorfold.kernels.paged_attention import paged_prefill
+from tensorfold.kernels.paged_attention import paged_prefill_varlen
 from tensorfold.kernels.paged_write import row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
 from tensorfold.kv import KvStore
@@ -45,6 +48,13 @@ class Rows:
     single_rows: torch.Tensor       # [B] long: the row of each single stream
     single_slots: torch.Tensor      # [B] long
     sampled_rows: torch.Tensor      # [sampled] long: each sampling stream's last row
+    longer_rows: torch.Tensor       # [L] long: the rows of the longer streams, stream after stream
+    packed: tuple[int, ...]         # len(longer) + 1 offsets of each longer stream's rows in longer_rows
+    longer_slots: torch.Tensor      # [len(longer)] long
+    longer_of_row: torch.Tensor     # [L] long: each packed row's longer stream (0 .. len(longer) - 1)
+    longer_index: torch.Tensor      # [len(longer)] long: the longer streams' indices in the step
+    packed_offsets: torch.Tensor    # [len(longer) + 1] int32: `packed` on the device (varlen attention)
+    longer_starts: torch.Tensor     # [len(longer)] int32: their first rows' absolute positions
 
 
 def flatten(plan: StepPlan, device: torch.device) -> Rows:
@@ -58,11 +68,22 @@ def flatten(plan: StepPlan, device: torch.device) -> Rows:
     single = tuple(i for i, s in enumerate(plan.streams) if len(s.tokens) == 1)
     longer = tuple(i for i, s in enumerate(plan.streams) if len(s.tokens) > 1)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    packed, longer_rows, longer_of_row = [0], [], []
+    for n, i in enumerate(longer):
+        a, b = spans[i]
+        longer_rows.extend(range(a, b))
+        longer_of_row.extend([n] * (b - a))
+        packed.append(packed[-1] + b - a)
     return Rows(tokens=as_long(tokens), positions=as_long(positions), spans=tuple(spans),
                 slots=tuple(s.slot for s in plan.streams), starts=tuple(s.start for s in plan.streams),
                 single=single, longer=longer, single_rows=as_long([spans[i][0] for i in single]),
                 single_slots=as_long([plan.streams[i].slot for i in single]),
-                sampled_rows=as_long([spans[i][1] - 1 for i, s in enumerate(plan.streams) if s.sample]))
+                sampled_rows=as_long([spans[i][1] - 1 for i, s in enumerate(plan.streams) if s.sample]),
+                longer_rows=as_long(longer_rows), packed=tuple(packed),
+                longer_slots=as_long([plan.streams[i].slot for i in longer]), longer_of_row=as_long(longer_of_row),
+                longer_index=as_long(list(longer)), packed_offsets=as_int(packed),
+                longer_starts=as_int([plan.streams[i].start for i in longer]))
 
 
 def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
@@ -91,27 +112,30 @@ def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) 
     out = torch.empty_like(h)
     if rows.single:
         out[rows.single_rows] = decode.gdn(w, c, h[rows.single_rows], rows.single_slots, index, kv)
-    for i in rows.longer:
-        a, b = rows.spans[i]
-        out[a:b] = gdn_chunk(w, c, h[a:b], rows.slots[i], rows.starts[i], index, kv)
+    if rows.longer:
+        out[rows.longer_rows] = gdn_chunks(w, c, h[rows.longer_rows], rows, index, kv)
     return out
 
 
-def gdn_chunk(w: GdnWeights, c, h: torch.Tensor, slot: int, start: int, index: int, kv: KvStore) -> torch.Tensor:
-    """One stream's prefill chunk through a GDN layer: [T, E] -> [T, E]."""
+def gdn_chunks(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) -> torch.Tensor:
+    """The prefilling streams' chunks through a GDN layer, packed: [T, E] -> [T, E] (T their rows end to end)."""
     T, C, Z, NV = h.shape[0], 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim, c.v_heads * c.v_dim, c.v_heads
     proj = F.linear(h, w.in_proj)                                                      # [T, C + Z + 2·NV]
-    mixed = causal_conv1d_prefill(proj[:, :C], w.conv, kv.fixed(index, CONV, slot))   # [T, C]
+    bounds = rows.packed
+    mixed = torch.cat([causal_conv1d_prefill(proj[a:b, :C], w.conv, kv.fixed(index, CONV, rows.slots[i]))
+                       for i, a, b in zip(rows.longer, bounds[:-1], bounds[1:], strict=True)])   # [T, C]
     q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
     repeat = NV // c.k_heads
     q = l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
     k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float())
     g, beta = gdn_gate(proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.A_log, w.dt_bias)   # [T, NV] each
-    state = kv.fixed(index, RECURRENT, slot)
+    states = kv.fixed_states(index, RECURRENT)                                         # [slots, NV, DK, DV]
     # fla's chunked kernels take TF32 dots; a float32 model (the checking mode) keeps the exact chunked form.
-    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim).float(), g, beta, state, start,
+    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim).float(), g, beta,
+                                   states.index_select(0, rows.longer_slots), cu_seqlens=bounds,
+                                   starts=[rows.starts[i] for i in rows.longer],
                                    backend="naive" if h.dtype == torch.float32 else None)
-    state.copy_(final)
+    states.index_copy_(0, rows.longer_slots, final)
     out = gated_rms_norm(out.to(h.dtype), proj[:, C: C + Z].reshape(T, NV, c.v_dim), w.norm, c.rms_norm_eps)
     return F.linear(out.reshape(T, Z), w.out_proj)
 
@@ -130,20 +154,23 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, rows: Rows, index: int, k
         live = torch.ones_like(positions, dtype=torch.bool)
         out[r] = decode.attention(w, c, h[r], positions, picked, row_ids(picked, positions, live, page_rows),
                                   (positions + 1).int(), index, kv, inv_freq)
-    for i in rows.longer:
-        a, b = rows.spans[i]
-        out[a:b] = attention_chunk(w, c, h[a:b], rows.positions[a:b], tables[i], rows.starts[i], index, kv,
-                                   inv_freq)
+    if rows.longer:
+        r = rows.longer_rows
+        out[r] = attention_chunks(w, c, h[r], rows.positions[r], tables[rows.longer_index], rows, index, kv,
+                                  inv_freq)
     return out
 
 
-def attention_chunk(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
-                    start: int, index: int, kv: KvStore, inv_freq: torch.Tensor) -> torch.Tensor:
-    """One stream's prefill chunk through an attention layer: [T, E] -> [T, E]."""
+def attention_chunks(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                     rows: Rows, index: int, kv: KvStore, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The prefilling streams' chunks through an attention layer, packed: [T, E] -> [T, E]; `tables` theirs."""
     q, gate, k, v = decode.attention_inputs(w, c, h, positions, inv_freq)
     k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
-    dest = row_ids(table[None].expand(h.shape[0], -1), positions, torch.ones_like(positions, dtype=torch.bool),
+    dest = row_ids(tables[rows.longer_of_row], positions, torch.ones_like(positions, dtype=torch.bool),
                    k_pages.shape[1])
     write_rows(k_pages, k, dest)
     write_rows(v_pages, v, dest)
-    return decode.attention_output(w, paged_prefill(q, k_pages, v_pages, table, start, c.head_dim ** -0.5), gate)
+    longest = max(b - a for a, b in zip(rows.packed[:-1], rows.packed[1:], strict=True))
+    out = paged_prefill_varlen(q, k_pages, v_pages, tables, rows.packed_offsets, rows.longer_starts, longest,
+                               c.head_dim ** -0.5)
+    return decode.attention_output(w, out, gate)

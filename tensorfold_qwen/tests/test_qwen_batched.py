@@ -1,5 +1,5 @@
 """The batched forward (the GPU path) computes what the per-stream reference computes, within tolerance, over
-steps that mix prefill chunks and decode rows of several streams in pages."""
+steps that mix prefill chunks (packed into varlen calls) and decode rows of several streams in pages."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ STEPS = [  # per step: (slot, start, length) shares
     [(0, 41, 1), (1, 71, 1), (2, 1, 30)],
     [(0, 42, 1), (1, 72, 1), (2, 31, 1), (3, 0, 65)],
     [(3, 65, 1), (0, 43, 1)],
+    [(0, 44, 20), (3, 66, 1), (1, 73, 9), (2, 32, 33)],   # three prefill chunks packed around a decode row
 ]
 
 
