@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from tensorfold.engine.api import Sampling
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes, has_decode
 from tensorfold.engine.runner import Engine
 from tensorfold.engine.stats import EngineStats
-from tensorfold.family import Declarations, Family, FamilyModel
+from tensorfold.family import Declarations, Family, FamilyModel, PluginError
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import Layout
 from tensorfold.memory import StreamMemory
@@ -30,7 +31,7 @@ from tensorfold.memory_plan import (
     plan_memory,
     size,
 )
-from tensorfold.plugins import installed_names, load_families
+from tensorfold.plugins import INSTALL_HINT, installed_names, load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 from tensorfold.refusals import Refusal, Refused, raise_if_any
@@ -47,14 +48,39 @@ BANDWIDTH_BYTES = 32 << 20  # the scratch file the store's read bandwidth is mea
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def pick_family(name: str | None) -> Family:
-    """The family `--family` names, or the only one installed."""
-    if name is None:
-        names = installed_names()
-        if len(names) != 1:
-            raise SystemExit(f"--family is needed: installed families are {', '.join(names) or 'none'}")
-        name = names[0]
-    return load_families([name])[name]
+def pick_family(name: str | None, model: Path | None = None) -> Family:
+    """The family `--family` names; without it the only one installed, or the one that serves the checkpoint's
+    `model_type` (PluginError when none or several do)."""
+    if name is not None:
+        return load_families([name])[name]
+    names = installed_names()
+    if len(names) == 1:
+        return load_families(names)[names[0]]
+    if not names:
+        raise PluginError(f"no family is installed: {INSTALL_HINT}")
+    model_type = checkpoint_model_type(model)
+    if model_type is None:
+        raise PluginError(f"--family is needed: installed families are {', '.join(names)}")
+    found = load_families(names)
+    serving = [family.name for family in found.values() if model_type in family.model_types]
+    if len(serving) == 1:
+        return found[serving[0]]
+    if not serving:
+        served = "; ".join(f"{f.name}: {', '.join(f.model_types)}" for f in found.values())
+        raise PluginError(f"no installed family serves model_type {model_type!r} (installed: {served}); "
+                          f"give --family to try one anyway, or {INSTALL_HINT}")
+    raise PluginError(f"--family is needed: model_type {model_type!r} is served by {', '.join(serving)}")
+
+
+def checkpoint_model_type(model: Path | None) -> str | None:
+    """The `model_type` in a checkpoint directory's config.json, None when there is none to read."""
+    if model is None:
+        return None
+    try:
+        value = json.loads((Path(model).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -314,9 +340,9 @@ def boot(settings: Settings, family: Family) -> Loaded:
     stats = EngineStats()
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
                     min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk, stats=stats,
-                    overlap=isinstance(model, DecodeRunner) and settings.switch("TF_OVERLAP"))
-    name = settings.served_name or checkpoint.directory.name
-    service = Service(engine=engine, tokenizer=tokenizer, model_name=name, family=family.name,
+                    overlap=isinstance(model, DecodeRunner) and settings.switch("TF_OVERLAP"), seed=settings.seed)
+    names = settings.served_names or (checkpoint.directory.name,)
+    service = Service(engine=engine, tokenizer=tokenizer, model_name=names[0], model_names=names, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),
                       request_starts=settings.switch(family.request_starts_switch),
                       isolate_by_key=settings.isolate_cache_by_key, stats=stats,

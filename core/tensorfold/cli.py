@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from tensorfold import learned_cli
+from tensorfold.checkpoint import CheckpointError
 from tensorfold.family import PluginError
 from tensorfold.refusals import Refused
 from tensorfold.settings import (
@@ -95,6 +96,13 @@ BodyTimeoutOpt = Annotated[float, typer.Option("--body-timeout", help="Seconds a
                                                "body; then 408.")]
 MaxConnectionsOpt = Annotated[int, typer.Option("--max-connections", help="Connections served at once; past it, "
                                                 "503.")]
+ModelArg = Annotated[Path | None, typer.Argument(help="HF-format checkpoint directory (the same as --model).",
+                                                 show_default=False)]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed the random seeds of requests that give none, so a "
+                                             "server run draws the same sequence of them (default: from the OS).")]
+MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", hidden=True, help="vLLM's name: --context.")]
+MaxNumSeqsOpt = Annotated[int | None, typer.Option("--max-num-seqs", hidden=True, help="vLLM's name: --parallel.")]
+TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", hidden=True, help="vLLM's name; only 1 for now.")]
 
 
 def _hosts(values: list[str] | None) -> tuple[str, ...]:
@@ -110,21 +118,46 @@ def _parallel(value: str) -> int | None:
         raise typer.BadParameter(f"--parallel takes a number or auto, not {value!r}") from None
 
 
-def _settings(family: str, **flags: object):
+def _settings(family: str | None, **flags: object):
     from tensorfold.boot import pick_family
 
-    chosen = pick_family(family)
+    chosen = pick_family(family, flags.get("model"))
     settings = read_settings(os.environ, [(chosen.request_starts_switch, True)], family=chosen.name, **flags)
     return settings, chosen
 
 
-def _fail(err: Exception) -> None:
+def _fail(err: Exception | str) -> None:
     typer.echo(str(err), err=True)
     raise typer.Exit(2)
 
 
+def _model(positional: Path | None, flag: Path | None) -> Path | None:
+    """The checkpoint given as MODEL or --model (once)."""
+    if positional is not None and flag is not None and positional != flag:
+        _fail(f"the model is given twice, as {positional} and as --model {flag}: give it once")
+    return positional if positional is not None else flag
+
+
+def _aliases(context: int, parallel: str, max_model_len: int | None, max_num_seqs: int | None,
+             tensor_parallel_size: int) -> tuple[int, str]:
+    """vLLM's flag names, read as ours: --max-model-len is --context, --max-num-seqs is --parallel."""
+    if tensor_parallel_size != 1:
+        _fail(f"--tensor-parallel-size {tensor_parallel_size}: tensor parallelism is not built yet; this server runs "
+              f"on one device (--device)")
+    if max_model_len is not None:
+        if context not in (DEFAULT_CONTEXT, max_model_len):
+            _fail(f"--max-model-len {max_model_len} and --context {context} disagree: give one (--context is ours)")
+        context = max_model_len
+    if max_num_seqs is not None:
+        if parallel not in ("auto", str(max_num_seqs)):
+            _fail(f"--max-num-seqs {max_num_seqs} and --parallel {parallel} disagree: give one (--parallel is ours)")
+        parallel = str(max_num_seqs)
+    return context, parallel
+
+
 @app.command()
 def serve(
+    model_arg: ModelArg = None,
     family: FamilyOpt = None,
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
@@ -145,7 +178,9 @@ def serve(
     learn_gib: LearnGibOpt = DEFAULT_LEARN_GIB,
     learn_daily_gib: LearnDailyOpt = None,
     learn_min_free_gib: LearnFreeOpt = DEFAULT_LEARN_MIN_FREE_GIB,
-    served_model_name: Annotated[str | None, typer.Option(help="Model id in the API (default: dir name).")] = None,
+    served_model_name: Annotated[list[str] | None, typer.Option(help="A model id the API answers to; repeat for "
+                                                                "several, the first named in replies (default: the "
+                                                                "checkpoint directory's name).")] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests that may wait; past it, 503.")] = 64,
     max_request_bytes: MaxBytesOpt = None,
     api_key: ApiKeyOpt = None,
@@ -157,14 +192,26 @@ def serve(
     header_timeout: HeaderTimeoutOpt = DEFAULT_HEADER_TIMEOUT_S,
     body_timeout: BodyTimeoutOpt = DEFAULT_BODY_TIMEOUT_S,
     max_connections: MaxConnectionsOpt = DEFAULT_MAX_CONNECTIONS,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
+    seed: SeedOpt = None,
+    max_model_len: MaxModelLenOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None,
+    tensor_parallel_size: TpOpt = 1,
 ) -> None:
-    """Serve a checkpoint over the OpenAI-compatible HTTP API."""
+    """Serve a checkpoint (MODEL, or --model; none: the family's embedded default) over the OpenAI-compatible HTTP
+    API."""
+    from tensorfold.preflight import serve_problems
+
+    model = _model(model_arg, model)
+    context, parallel = _aliases(context, parallel, max_model_len, max_num_seqs, tensor_parallel_size)
+    problems = serve_problems(host, port, log_level, model)  # before anything loads: one sentence each
+    if problems:
+        _fail("\n".join(problems))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings, chosen = _settings(family, model=model, host=host, port=port, context=context, dtype=dtype,
                                      device=device, prefill_chunk=prefill_chunk, min_chunk=min_chunk,
-                                     served_name=served_model_name,
+                                     served_names=tuple(served_model_name or ()),
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
                                      kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib,
                                      host_cache_gib=host_cache_gib, learn=learn_conversations, learn_dir=learn_dir,
@@ -175,11 +222,11 @@ def serve(
                                      allowed_hosts=_hosts(allowed_hosts), isolate_cache_by_key=isolate_cache_by_key,
                                      special_tokens_in_content=special_tokens_in_content,
                                      header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                                     max_connections=max_connections)
+                                     max_connections=max_connections, seed=seed)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)
-    except (PluginError, Refused, SwitchError, OSError, ValueError) as err:
+    except (PluginError, Refused, SwitchError, CheckpointError, OSError, ValueError) as err:
         _fail(err)
     from tensorfold.launch import run_server
 
@@ -224,6 +271,7 @@ def families(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")
 
 @app.command()
 def explain(
+    model_arg: ModelArg = None,
     family: FamilyOpt = None,
     model: ModelOpt = None,
     context: ContextOpt = DEFAULT_CONTEXT,
@@ -235,15 +283,16 @@ def explain(
     host_cache_gib: HostCacheOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Print the memory plan for a checkpoint without serving it."""
+    """Print the memory plan for a checkpoint (MODEL, or --model) without serving it."""
     from tensorfold.explain import plan_text, serving_plan
 
+    model = _model(model_arg, model)
     try:
         settings, chosen = _settings(family, model=model, context=context, dtype=dtype, device=device,
                                      parallel=_parallel(parallel), page_rows=page_rows, kv_gib=kv_gib,
                                      host_cache_gib=host_cache_gib)
         plan = serving_plan(settings, chosen)
-    except (PluginError, Refused, SwitchError, OSError, ValueError) as err:
+    except (PluginError, Refused, SwitchError, CheckpointError, OSError, ValueError) as err:
         _fail(err)
     typer.echo(json.dumps(plan, indent=2) if as_json else plan_text(plan))
 

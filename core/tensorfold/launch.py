@@ -2,7 +2,7 @@
 the process, so that no socket stays open in front of a dead engine. While it serves, the heap freed after a
 burst is handed back to the system (heap_trim.py).
 
-    exit status  0 after SIGINT; 128 + 15 after SIGTERM; ENGINE_DEAD_STATUS when the engine stopped for good
+    exit status  0 after SIGINT or SIGTERM (a clean stop); ENGINE_DEAD_STATUS when the engine stopped for good
                  (Engine.failure, engine/runner.py): /health answers 503 with the reason for DEAD_GRACE_S, then the
                  HTTP server shuts down and the process exits, for a supervisor to restart it
 """
@@ -39,6 +39,7 @@ def run_server(loaded: Loaded, log_level: str = "info") -> None:
     settings = loaded.settings
     app = build_app(loaded.service, FrontDoor.from_settings(settings))
     signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGINT, _terminated)
     loaded.engine.start()
     trimmer = start_heap_trimmer()
     log.info("serving %s on http://%s:%d/v1", loaded.service.model_name, settings.host, settings.port)
@@ -70,6 +71,6 @@ def _watch(engine: Engine, server: uvicorn.Server) -> None:
 
 
 def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM outside uvicorn's own handling (before it serves, or re-raised by it after its graceful shutdown):
-    leave through `finally`, so the engine stops and the disk tier flushes, with the conventional status."""
-    raise SystemExit(128 + signum)
+    """SIGTERM or SIGINT outside uvicorn's own handling (before it serves, or re-raised by it after its graceful
+    shutdown): leave through `finally`, so the engine stops and the disk tier flushes; a stop asked for is exit 0."""
+    raise SystemExit(0)

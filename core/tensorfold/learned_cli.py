@@ -20,11 +20,14 @@ DirOption = typer.Option(None, "--learn-dir", help="the rows store's directory (
                                                    "directory, as `serve` uses it)")
 
 
-def _root(directory: Path | None) -> Path:
+def _root(directory: Path | None, existing: bool = False) -> Path:
     """--learn-dir, or serve's default, resolved by the settings module (the one place the environment is read);
-    a path that can never be a store (empty: the working directory; `/`; a file) is refused by name."""
+    a path that can never be a store (empty: the working directory; `/`; a file) is refused by name, and with
+    `existing` one that does not exist (verify, gc and rm would report a clean store that is not there)."""
     root = read_settings(os.environ, (), learn_dir=directory).learn_root
     problem = path_problem(root)
+    if problem is None and existing and not root.is_dir():
+        problem = f"{root} does not exist: no rows store is there (serve --learn-conversations writes one)"
     if problem is not None:
         raise typer.BadParameter(problem, param_hint="--learn-dir")
     return root
@@ -70,7 +73,7 @@ def show(identity: str = typer.Argument(..., help="an identity hash or its prefi
 @app.command("verify")
 def verify(learn_dir: Path | None = DirOption) -> None:
     """Read every byte of every file; exit 1 when any fails (nothing is removed: `gc` does that)."""
-    problems = learned.verify(_root(learn_dir))
+    problems = learned.verify(_root(learn_dir, existing=True))
     bad = 0
     for name, found in problems.items():
         for file, problem in found:
@@ -85,7 +88,7 @@ def gc(learn_dir: Path | None = DirOption) -> None:
     """Remove leftover .part files and everything verify finds: damaged states (and the states listing a damaged
     block), damaged blocks, blocks no state lists."""
     try:
-        done = learned.gc(_root(learn_dir))
+        done = learned.gc(_root(learn_dir, existing=True))
     except StoreRefused as error:
         _refused(error)
     typer.echo(f"removed {done['parts']} .part files, {done['states_forgotten']} damaged states, "
@@ -99,7 +102,7 @@ def rm(identity: str = typer.Argument(..., help="an identity hash or its prefix"
        learn_dir: Path | None = DirOption) -> None:
     """Remove one identity, or one of its states with the blocks no other state lists."""
     try:
-        freed = learned.rm(_root(learn_dir), identity, state)
+        freed = learned.rm(_root(learn_dir, existing=True), identity, state)
     except StoreRefused as error:
         _refused(error)
     except ValueError as error:

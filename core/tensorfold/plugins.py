@@ -16,6 +16,10 @@ GROUP = "tensorfold"
 REQUIRED_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("family_"))
 
 
+INSTALL_HINT = ("install a family's package from the TensorFold source tree (the packages are not on PyPI yet): "
+                "pip install ./tensorfold_qwen, ./tensorfold_glm or ./plugins/tensorfold_example")
+
+
 def installed_names() -> list[str]:
     """Names of the installed families (entry points in group `tensorfold`)."""
     return sorted({ep.name for ep in importlib.metadata.entry_points(group=GROUP)})
@@ -35,8 +39,7 @@ def load_families(names: Iterable[str] | None = None) -> dict[str, Family]:
     for name in wanted:
         if pm.load_setuptools_entrypoints(GROUP, name=name) == 0 and pm.get_plugin(name) is None:
             known = ", ".join(installed_names()) or "none"
-            raise PluginError(f"no family named {name!r} is installed (installed: {known}); "
-                              f"install its package, e.g. pip install tensorfold-{name}")
+            raise PluginError(f"no family named {name!r} is installed (installed: {known}); {INSTALL_HINT}")
     return resolve(pm, wanted)
 
 

@@ -53,3 +53,9 @@ class Service:
     request_starts: bool = False
     isolate_by_key: bool = False  # --isolate-cache-by-key: a request's partition names its API key
     stats: EngineStats | None = None
+    model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # every name served; () = model_name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names a request may give as `model` (--served-model-name, each; the first is `model_name`)."""
+        return self.model_names or (self.model_name,)

@@ -99,7 +99,8 @@ class Settings:
     device: str = "auto"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     min_chunk: int = DEFAULT_MIN_CHUNK
-    served_name: str | None = None
+    served_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # --served-model-name, in order
+    seed: int | None = None  # --seed: the seeds of unseeded requests come from a generator seeded with it
     max_waiting: int = 64
     parallel: int | None = None
     page_rows: int = DEFAULT_PAGE_ROWS

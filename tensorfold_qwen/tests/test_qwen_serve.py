@@ -34,7 +34,7 @@ def test_an_image_is_refused_by_name(base):
     c = openai_client(base)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError, match="image"):
-        c.chat.completions.create(model="m", max_tokens=4, messages=[
+        c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
 
 

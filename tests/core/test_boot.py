@@ -40,7 +40,7 @@ def test_a_checkpoint_of_another_model_type_is_refused_by_name(example, tiny_dir
 
 def test_boot_builds_a_service(example, tiny_dir):
     settings = read_settings({}, [("TF_EXAMPLE_REQUEST_STARTS", True)], family="example", model=tiny_dir, context=64,
-                             served_name="tiny", min_chunk=100)
+                             served_names=("tiny",), min_chunk=100)
     loaded = boot(settings, example)
     assert loaded.service.model_name == "tiny" and loaded.service.context == 64
     assert loaded.service.request_starts and loaded.engine.scheduler.min_chunk == 100

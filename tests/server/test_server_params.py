@@ -108,13 +108,20 @@ def test_request_fields_override(service):
     body = {"messages": HI, "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0.1, "seed": 7,
             "max_tokens": 5, "max_completion_tokens": 4, "stop": "x", "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True,
-            "n": 1, "logprobs": False, "presence_penalty": 0, "model": "whatever"}
+            "n": 1, "logprobs": False, "presence_penalty": 0, "model": "tiny"}
     got = parse_chat(body, service)
     s = got.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.max_tokens) == (0.0, 1.0, 0, 0.1, 7, 4)
     assert s.stop_token_ids == ()
     assert got.stop == ("x",) and got.stream and got.include_usage and got.return_token_ids
     assert got.model == "tiny"
+
+
+def test_a_model_not_served_is_404_model_not_found(service):
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": HI, "model": "whatever"}, service)
+    assert (caught.value.status, caught.value.code, caught.value.param) == (404, "model_not_found", "model")
+    assert "'whatever' does not exist; this server serves 'tiny'" in caught.value.message
 
 
 def test_stop_list_drops_empty_and_duplicates(service):

@@ -53,7 +53,7 @@ class Engine:
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
                  max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
                  host: HostTier | None = None, disk: DiskTier | None = None,
-                 stats: EngineStats | None = None, overlap: bool = False) -> None:
+                 stats: EngineStats | None = None, overlap: bool = False, seed: int | None = None) -> None:
         self.model = model
         # with `overlap`, decode steps are launched ahead (engine/ahead.py) when the model can take its tokens on
         # the device: graphs.DecodeRunner.forward_ahead
@@ -65,7 +65,7 @@ class Engine:
         self.tier = tier
         self.host = host
         self.disk = disk
-        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host, disk)
+        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host, disk, seed)
         self.sampler = Sampler()
         self.context = context
         self.max_waiting = max_waiting

@@ -21,6 +21,7 @@ across threads), which tests/core/engine/test_sampler_batch.py checks at several
 from __future__ import annotations
 
 import math
+import random
 import secrets
 from collections.abc import Sequence
 
@@ -48,10 +49,14 @@ class SampleRow:
     root: int         # the seed's root word (engine/noise.py), as int64
 
     @classmethod
-    def of(cls, sampling: Sampling) -> SampleRow:
-        """The row for a request: its parameters checked, its seed (or a random one) turned into its root."""
+    def of(cls, sampling: Sampling, unseeded: random.Random | None = None) -> SampleRow:
+        """The row for a request: its parameters checked, its seed turned into its root. A request without one
+        draws it from `unseeded` (serve's --seed) or, without that, from the OS."""
         check(sampling)
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+        if sampling.seed is not None:
+            seed = sampling.seed
+        else:
+            seed = unseeded.getrandbits(64) if unseeded is not None else secrets.randbits(64)
         min_p = min(sampling.min_p, 1.0)
         return cls(temperature=sampling.temperature, top_p=sampling.top_p,
                    log_min_p=math.log(min_p) if min_p > 0 else -math.inf,

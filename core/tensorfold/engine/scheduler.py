@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from bisect import bisect_right
 from collections import deque
 from typing import TYPE_CHECKING
@@ -45,8 +46,9 @@ class Scheduler:
 
     def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int,
                  min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
-                 host: HostTier | None = None, disk: DiskTier | None = None) -> None:
+                 host: HostTier | None = None, disk: DiskTier | None = None, seed: int | None = None) -> None:
         self.memory = memory
+        self.unseeded = random.Random(seed) if seed is not None else None  # seeds of requests that give none
         self.tier = tier
         self.host = host
         self.disk = disk
@@ -100,7 +102,7 @@ class Scheduler:
         self.waiting.popleft()
         claim = self.memory.take(request.id, reach, shared)
         try:
-            stream = Stream(request, claim, SampleRow.of(request.sampling), cuts=cuts)
+            stream = Stream(request, claim, SampleRow.of(request.sampling, self.unseeded), cuts=cuts)
             if self.tiers is not None:
                 stream.position = stream.cached = self.tiers.admitted(hit, claim, request.id)
                 marks = request.marks

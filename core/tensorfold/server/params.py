@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from tensorfold.engine.api import KeepMarks, Sampling
-from tensorfold.server.errors import bad_request
+from tensorfold.server.errors import ApiError, bad_request
 from tensorfold.server.fields import (
     SEED_MAX,
     SEED_MIN,
@@ -71,14 +71,14 @@ class Tokenize:
 def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Generate:
     """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest;
     without `specials_in_content`, special-token text in message content is encoded as text (server/prompts.py)."""
-    check_common(body)
+    model = check_common(body, service)
     messages = read_messages(body)
     kwargs = read_template_kwargs(body)
     text = render(service.tokenizer, messages, add_generation_prompt=True, kwargs=kwargs)
     prompt = chat_ids(service.tokenizer, messages, text, True, kwargs, specials_in_content)
     if not prompt:
         raise bad_request("the messages render to an empty prompt", "messages")
-    params = generate(body, service, prompt, "messages")
+    params = generate(body, service, prompt, "messages", model)
     if not service.request_starts:
         return params
     positions = start_positions(service.tokenizer, messages, prompt, kwargs, text, specials_in_content)
@@ -87,9 +87,9 @@ def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: b
 
 def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:
     """POST /v1/completions: one prompt, as text or as token ids."""
-    check_common(body)
+    model = check_common(body, service)
     prompt = read_prompt(body, service)
-    return generate(body, service, prompt, "prompt")
+    return generate(body, service, prompt, "prompt", model)
 
 
 def parse_tokenize(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Tokenize:
@@ -113,9 +113,14 @@ def parse_detokenize(body: Mapping[str, Any], service: Service) -> list[int]:
     return read_token_ids(body["tokens"], "tokens", service.tokenizer.vocab_size)
 
 
-def check_common(body: Mapping[str, Any]) -> None:
-    """Fields either endpoint refuses: n other than 1, and features this server does not have."""
-    read_str(body, "model")
+def check_common(body: Mapping[str, Any], service: Service) -> str:
+    """Fields either endpoint refuses: a model not served (404), n other than 1, and features this server does not
+    have. Returns the model name the answer carries: the one asked for, else the first served."""
+    model = read_str(body, "model")
+    if model is not None and model not in service.names:
+        served = ", ".join(f"'{name}'" for name in service.names)
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
     n = read_int(body, "n")
     if n is not None and n != 1:
         raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}", "n")
@@ -123,6 +128,7 @@ def check_common(body: Mapping[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not is_noop(value):
             raise bad_request(f"'{name}' is not supported by this server", name)
+    return model if model is not None else service.model_name
 
 
 def read_prompt(body: Mapping[str, Any], service: Service) -> list[int]:
@@ -146,14 +152,15 @@ def read_prompt(body: Mapping[str, Any], service: Service) -> list[int]:
     return ids
 
 
-def generate(body: Mapping[str, Any], service: Service, prompt: list[int], prompt_param: str) -> Generate:
+def generate(body: Mapping[str, Any], service: Service, prompt: list[int], prompt_param: str,
+             model: str | None = None) -> Generate:
     """Sampling, stop strings and stream options, with the context rule applied to this prompt."""
     stream = read_bool(body, "stream")
     options = read_object(body, "stream_options")
     if options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = read_bool(options, "include_usage") if options else False
-    return Generate(model=service.model_name, prompt=tuple(prompt),
+    return Generate(model=model or service.model_name, prompt=tuple(prompt),
                     sampling=read_sampling(body, service, len(prompt), prompt_param), stop=read_stop(body),
                     stream=stream, include_usage=include_usage,
                     return_token_ids=read_bool(body, "return_token_ids"), cache_salt=read_salt(body))

@@ -97,19 +97,20 @@ def routes(service: Service, door: FrontDoor | None = None) -> list[Route]:
         params = await slots.run(read(parse_completion, service), await request.body())
         return await answer(request, service, params, TEXT, "cmpl")
 
-    def model_card() -> dict[str, object]:
-        return {"id": service.model_name, "object": "model", "created": started, "owned_by": "tensorfold",
-                "max_model_len": service.context}
+    def model_card(name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "tensorfold",
+                "root": service.model_name, "max_model_len": service.context}
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in service.names]})
 
     async def model(request: Request) -> Response:
         name = request.path_params["name"]
-        if name != service.model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{service.model_name}'",
+        if name not in service.names:
+            served = ", ".join(f"'{served}'" for served in service.names)
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(name))
 
     async def health(request: Request) -> Response:
         failure = service.engine.failure  # the engine stopped for good: the process is exiting (launch.py)

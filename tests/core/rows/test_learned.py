@@ -59,6 +59,14 @@ def test_verify_finds_damage_and_removes_nothing(kept):
     assert state.exists() and block.exists()
 
 
+@pytest.mark.parametrize("command", [["verify"], ["gc"], ["rm", "abc"]])
+def test_a_store_that_is_not_there_is_an_error_not_a_clean_report(tmp_path, command):
+    result = run(*command, "--learn-dir", str(tmp_path / "nothere"))
+    said = " ".join(result.output.replace("│", " ").split())  # typer boxes and wraps the message
+    assert result.exit_code == 2 and "does not exist: no rows store is there" in said
+    assert "0 problems" not in result.output and not (tmp_path / "nothere").exists()
+
+
 def test_gc_removes_parts_damaged_states_and_orphans(kept):
     (kept / "leftover.blk.part").write_bytes(b"half")
     state = files(kept, ".st")[0]
