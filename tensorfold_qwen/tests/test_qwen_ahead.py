@@ -98,3 +98,81 @@ def test_a_cancel_from_the_handler_ends_the_stream_at_that_token(subject):
         assert len(clients[salt].tokens) == after
         assert (done[salt].finish_reason, done[salt].completion_tokens) == ("cancelled", after)
     assert [len(clients[s].tokens) for s in (2, 4, 5)] == [18, CONTEXT - 80, 1]
+
+
+class FailingAhead(DecodeRunner):
+    """A runner whose `fail_at`-th step launched ahead raises, once."""
+
+    fail_at = 3
+
+    def forward_ahead(self, plan, kv, source):
+        self.fail_at -= 1
+        if self.fail_at == 0:
+            raise RuntimeError("a forward launched ahead failed")
+        return super().forward_ahead(plan, kv, source)
+
+
+class NanAhead(DecodeRunner):
+    """A runner whose steps launched ahead give NaN logits to the row of slot `poisoned` from the 2nd on."""
+
+    poisoned, seen = 0, 0
+
+    def forward_ahead(self, plan, kv, source):
+        out = super().forward_ahead(plan, kv, source)
+        self.seen += 1
+        if out is not None and self.seen >= 2:
+            for row, share in enumerate(plan.streams):
+                if share.slot == self.poisoned:
+                    out[row] = float("nan")
+        return out
+
+
+def engine_of(subject, runner_type):
+    pages = PARALLEL * -(-CONTEXT // PAGE_ROWS)
+    kv = PagedStore(subject.declarations.layout, PARALLEL, pages, PAGE_ROWS, subject.device, poison=True)
+    memory = StreamMemory(kv, SlotPool(PARALLEL), PagePool(pages, PAGE_ROWS))
+    runner = runner_type(subject.model, kv, batch_sizes(PARALLEL), CONTEXT, graphs=kv.device.type == "cuda")
+    runner.capture()
+    return Engine(runner, memory, CHUNK, CONTEXT, 16, overlap=True), runner
+
+
+def ended(client: Client, timeout: float = 120.0):
+    return client.done.get(timeout=timeout)
+
+
+def test_a_step_launched_ahead_that_raises_fails_its_streams_and_the_engine_goes_on(subject):
+    engine, runner = engine_of(subject, FailingAhead)
+    with running(engine):
+        first = clients_of()[:3]
+        for client in first:
+            engine.submit(client.request)
+        events = [ended(client) for client in first]
+        assert all(type(e).__name__ == "ErrorEvent" and "a forward launched ahead failed" in e.message
+                   for e in events), events
+        later = clients_of()[:2]             # the same requests again: their solo tokens, from a running engine
+        for client in later:
+            engine.submit(client.request)
+        assert [ended(client).finish_reason for client in later] == ["length", "length"]
+    plain = clients_of()[:2]
+    serve(subject, plain, overlap=False)
+    assert [c.tokens for c in later] == [c.tokens for c in plain]
+    assert engine.integrity == "ok" and runner.ahead > 0
+
+
+def test_nan_logits_in_a_step_launched_ahead_fail_that_stream_alone(subject):
+    engine, runner = engine_of(subject, NanAhead)
+    clients = clients_of()[:3]
+    with running(engine):
+        for client in clients:
+            engine.submit(client.request)
+        events = [ended(client) for client in clients]
+    plain = clients_of()[:3]
+    serve(subject, plain, overlap=False)
+    failed = [i for i, e in enumerate(events) if type(e).__name__ == "ErrorEvent"]
+    assert len(failed) == 1 and "NaN" in events[failed[0]].message
+    for i, (client, reference) in enumerate(zip(clients, plain, strict=True)):
+        if i in failed:
+            assert client.tokens == reference.tokens[: len(client.tokens)]   # what it had before is exact
+        else:
+            assert client.tokens == reference.tokens and events[i].finish_reason == "length"
+    assert engine.integrity == "ok"
