@@ -6,6 +6,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from tensorfold.testing.fuzz_http import idle_memory
@@ -177,3 +178,31 @@ def test_disconnect_while_waiting_frees_the_engine(server, model, context):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.api + "/completions", json=long, timeout=0.5)
     served_after(server, model)
+
+
+def test_stop_token_ids_end_the_reply_at_that_token(client, model, server):
+    prompt = tokenize(server, prompt="The quick brown fox")["tokens"]
+    body = {"return_token_ids": True, "ignore_eos": True}
+    ids = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body=body).choices[0].model_extra["token_ids"]
+    at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # the first id not seen before
+    choice = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={**body, "stop_token_ids": [ids[at]]}).choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["token_ids"] == ids[: at + 1]
+    with pytest.raises(openai.BadRequestError, match="'guided_json' is not supported"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"guided_json": {}})
+
+
+def test_logit_bias_and_min_tokens_through_the_client(client, model, server):
+    prompt = tokenize(server, prompt="The quick brown fox")["tokens"]
+    body = {"return_token_ids": True, "ignore_eos": True}
+    pushed = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                       logit_bias={"42": 100}, extra_body=body).choices[0]
+    assert pushed.model_extra["token_ids"] == [42] * 5
+    ids = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body=body).choices[0].model_extra["token_ids"]
+    held = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={**body, "stop_token_ids": [ids[0]], "min_tokens": 6}).choices[0]
+    assert held.finish_reason == "length" and ids[0] not in held.model_extra["token_ids"]
+    with pytest.raises(openai.BadRequestError, match="'min_tokens' 9 is more than max_tokens 6"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=6, extra_body={"min_tokens": 9})

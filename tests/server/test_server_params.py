@@ -47,7 +47,10 @@ def test_body_must_be_object(raw):
     ("stop", 5), ("stop", ["a", 3]), ("stop", {"x": 1}), ("model", 7), ("n", 2), ("n", 0), ("n", "1"),
     ("chat_template_kwargs", "x"), ("chat_template_kwargs", {"messages": []}),
     ("logprobs", True), ("top_logprobs", 3), ("tools", [{"type": "function"}]), ("presence_penalty", 0.5),
-    ("frequency_penalty", 1), ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
+    ("frequency_penalty", 1), ("response_format", {"type": "json_object"}),
+    ("logit_bias", [1]), ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", {"1": "5"}),
+    ("logit_bias", {"1": True}), ("logit_bias", {"-1": 1}), ("logit_bias", {str(10**9): 1}),
+    ("logit_bias", {"1": 1, "01": 2}), ("min_tokens", -1), ("min_tokens", "2"), ("min_tokens", 10**6),
 ])
 def test_bad_field_names_param(service, field, value):
     error = refused(parse_chat, {"messages": HI, field: value}, service)
@@ -209,3 +212,47 @@ def test_template_kwargs_reach_the_template(service, tokenizer):
     service = attrs.evolve(service, tokenizer=recording)
     parse_chat({"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}, service)
     assert recording.kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("include_stop_str_in_output", True), ("continue_final_message", True),
+    ("chat_template", "{{ messages }}"), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
+    ("truncate_prompt_tokens", 8), ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}),
+    ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
+    ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " ")])
+def test_vllm_fields_not_honoured_are_refused_by_name(service, field, value):
+    for parse, body in ((parse_chat, {"messages": HI}), (parse_completion, {"prompt": "Hi"})):
+        error = refused(parse, {**body, field: value}, service)
+        assert error.param == field and error.message == f"'{field}' is not supported by this server"
+
+
+def test_vllm_fields_at_their_no_op_values_pass(service):
+    body = {"messages": HI, "include_stop_str_in_output": False, "continue_final_message": False,
+            "bad_words": []}
+    assert parse_chat(body, service).sampling == parse_chat({"messages": HI}, service).sampling
+
+
+def test_stop_token_ids_add_to_the_eos_ids_and_survive_ignore_eos(service, tokenizer):
+    eos = tuple(tokenizer.eos_ids)
+    got = parse_chat({"messages": HI, "stop_token_ids": [7, 9, 7]}, service).sampling.stop_token_ids
+    assert got == (*eos, 7, 9)
+    got = parse_completion({"prompt": "Hi", "stop_token_ids": [7], "ignore_eos": True}, service).sampling
+    assert got.stop_token_ids == (7,)
+    error = refused(parse_chat, {"messages": HI, "stop_token_ids": [10**9]}, service)
+    assert error.param == "stop_token_ids" and "outside the vocabulary" in error.message
+    assert refused(parse_chat, {"messages": HI, "stop_token_ids": "7"}, service).param == "stop_token_ids"
+
+
+def test_add_generation_prompt_false_renders_without_it(service, tokenizer):
+    off = parse_chat({"messages": HI, "add_generation_prompt": False}, service)
+    assert list(off.prompt) == tokenizer.encode(tokenizer.render(HI, add_generation_prompt=False))
+    on = parse_chat({"messages": HI}, service)
+    assert len(off.prompt) < len(on.prompt) and list(on.prompt[: len(off.prompt)]) == list(off.prompt)
+
+
+def test_logit_bias_and_min_tokens_reach_the_sampling(service):
+    got = parse_chat({"messages": HI, "logit_bias": {"7": 5, "3": -100.0, 9: 0.5}, "min_tokens": 4,
+                      "max_tokens": 8}, service).sampling
+    assert got.logit_bias == ((3, -100.0), (7, 5.0), (9, 0.5)) and got.min_tokens == 4
+    plain = parse_completion({"prompt": "Hi"}, service).sampling
+    assert plain.logit_bias == () and plain.min_tokens == 0

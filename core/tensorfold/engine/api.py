@@ -20,6 +20,8 @@ class Sampling:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each id once
+    min_tokens: int = 0  # until this many tokens are out, the stop tokens cannot be sampled
 
 
 @attrs.frozen

@@ -11,6 +11,8 @@
                to 0 samples the most likely one, as vLLM and HF do; ties with its last kept), min_p the tokens of at
                least min_p (at most 1) times the top probability; a temperature so small that x overflows sends
                the other tokens to -inf (the same limit), one so large makes x all but 0
+    adjusted   before anything else, a request's logit_bias is added to its row and, while its token number is
+               below min_tokens, its stop tokens are set to -inf (vLLM's order); rows with neither are not copied
     refused    logits holding NaN or +inf, or all -inf (a masked row), come back as -1: the engine fails that
                request alone (`refused` says why); -inf for some tokens is a mask and is sampled around
 Every operation is per row: elementwise, or a reduction along V that each row does alone (argmax, sort, cumsum,
@@ -47,6 +49,9 @@ class SampleRow:
     log_min_p: float  # log(min(min_p, 1)); -inf when min_p is off
     top_k: int        # 0: off
     root: int         # the seed's root word (engine/noise.py), as int64
+    bias: tuple[tuple[int, float], ...] = ()  # logit_bias: (token id, added), each id once
+    min_tokens: int = 0
+    stops: tuple[int, ...] = ()  # the stop tokens min_tokens holds back
 
     @classmethod
     def of(cls, sampling: Sampling, unseeded: random.Random | None = None) -> SampleRow:
@@ -60,7 +65,15 @@ class SampleRow:
         min_p = min(sampling.min_p, 1.0)
         return cls(temperature=sampling.temperature, top_p=sampling.top_p,
                    log_min_p=math.log(min_p) if min_p > 0 else -math.inf,
-                   top_k=min(max(sampling.top_k, 0), TOP_K_OFF_ABOVE), root=noise.root(seed))
+                   top_k=min(max(sampling.top_k, 0), TOP_K_OFF_ABOVE), root=noise.root(seed),
+                   bias=tuple(sampling.logit_bias), min_tokens=max(sampling.min_tokens, 0),
+                   stops=tuple(sampling.stop_token_ids))
+
+    def adjustments(self, counter: int) -> list[tuple[int, float, bool]]:
+        """(token, value, added) for this row at token number `counter`: its bias (added), then its stop tokens
+        set to -inf (not added) while counter < min_tokens."""
+        held = [(token, -math.inf, False) for token in self.stops] if counter < self.min_tokens else []
+        return [(token, value, True) for token, value in self.bias] + held
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +106,7 @@ class Sampler:
     def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> torch.Tensor:
         """`sample`'s ids left on the logits' device, int64 [B]: nothing waits for the device, so the step loop
         can prepare the next step while this one runs (engine/ahead.py)."""
+        logits = adjusted(logits, rows, counters)
         best = logits.argmax(dim=-1)
         top = logits.gather(1, best[:, None]).squeeze(1)
         drawn = [i for i, row in enumerate(rows) if not row.greedy]
@@ -130,6 +144,26 @@ class Sampler:
         return at
 
 
+def adjusted(logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> torch.Tensor:
+    """The logits with each row's logit_bias added and its held-back stop tokens at -inf: a copy, made only when
+    some row has either (one small host->device copy of the entries, split on the host: no device sync)."""
+    entries = [(i, *entry) for i, (row, counter) in enumerate(zip(rows, counters, strict=True))
+               for entry in row.adjustments(counter)]
+    if not entries:
+        return logits
+    entries.sort(key=lambda entry: not entry[3])           # the added ones first
+    split = sum(1 for entry in entries if entry[3])
+    pinned = logits.device.type == "cuda"
+    index = torch.tensor([(i, token) for i, token, _, _ in entries], dtype=torch.int64,
+                         pin_memory=pinned).to(logits.device, non_blocking=pinned)
+    values = torch.tensor([value for _, _, value, _ in entries], dtype=logits.dtype,
+                          pin_memory=pinned).to(logits.device, non_blocking=pinned)
+    out = logits.clone()
+    out.index_put_((index[:split, 0], index[:split, 1]), values[:split], accumulate=True)
+    out.index_put_((index[split:, 0], index[split:, 1]), values[split:])
+    return out
+
+
 def scaled(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """x = (logits - max) / temperature per row, float64: the top token's x is 0, none overflows to NaN."""
     return (logits.double() - top.double()[:, None]) / temperature[:, None]
@@ -165,9 +199,10 @@ def _cut(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor, top
     return torch.maximum(kth.squeeze(1), edge)
 
 
-def probabilities(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """The distribution one row of logits [V] is drawn from, float64 [V] (the pass never forms it; tests read
-    the rule here). Greedy: all on the argmax."""
+def probabilities(logits: torch.Tensor, row: SampleRow, counter: int = 0) -> torch.Tensor:
+    """The distribution one row of logits [V] is drawn from at token number `counter`, float64 [V] (the pass never
+    forms it; tests read the rule here). Greedy: all on the argmax."""
+    logits = adjusted(logits[None], [row], [counter])[0]
     if row.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
     rows = logits[None]

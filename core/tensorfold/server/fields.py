@@ -177,3 +177,33 @@ def read_token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
             raise bad_request(f"'{name}' holds token id {token}, outside the vocabulary [0, {vocab_size})", name)
     return list(value)
 
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
+
+
+def read_logit_bias(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: an object from token ids (as strings, or ints) to a number in [-100, 100], added to that
+    token's logit; as sorted (id, value) pairs."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(f"'logit_bias' must be an object of token id to bias, not {json_type(value)}", "logit_bias")
+    found: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"'logit_bias' holds token id {token}, outside the vocabulary [0, {vocab_size})",
+                              "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_LIMIT <= bias <= \
+                LOGIT_BIAS_LIMIT:
+            raise bad_request(f"'logit_bias' value for token {token} must be a number from -100 to 100, got "
+                              f"{bias!r}", "logit_bias")
+        if token in found:
+            raise bad_request(f"'logit_bias' names token {token} twice", "logit_bias")
+        found[token] = float(bias)
+    return tuple(sorted(found.items()))

@@ -16,6 +16,7 @@ from tensorfold.server.fields import (
     read_bool,
     read_float,
     read_int,
+    read_logit_bias,
     read_object,
     read_stop,
     read_str,
@@ -38,10 +39,23 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v == 0,
     "presence_penalty": lambda v: v == 0,
     "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
     "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
+    # vLLM's extra fields this server does not honour yet: refused by name, never silently ignored
+    "include_stop_str_in_output": lambda v: v is False,
+    "continue_final_message": lambda v: v is False,
+    "chat_template": lambda v: False,
+    "bad_words": lambda v: v == [],
+    "allowed_token_ids": lambda v: False,
+    "truncate_prompt_tokens": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "guided_decoding_backend": lambda v: False,
+    "guided_whitespace_pattern": lambda v: False,
 }
 
 
@@ -74,12 +88,13 @@ def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: b
     model = check_common(body, service)
     messages = read_messages(body)
     kwargs = read_template_kwargs(body)
-    text = render(service.tokenizer, messages, add_generation_prompt=True, kwargs=kwargs)
-    prompt = chat_ids(service.tokenizer, messages, text, True, kwargs, specials_in_content)
+    add = read_bool(body, "add_generation_prompt", default=True)
+    text = render(service.tokenizer, messages, add_generation_prompt=add, kwargs=kwargs)
+    prompt = chat_ids(service.tokenizer, messages, text, add, kwargs, specials_in_content)
     if not prompt:
         raise bad_request("the messages render to an empty prompt", "messages")
     params = generate(body, service, prompt, "messages", model)
-    if not service.request_starts:
+    if not service.request_starts or not add:  # starts are proven on a prompt that ends with the generation prompt
         return params
     positions = start_positions(service.tokenizer, messages, prompt, kwargs, text, specials_in_content)
     return attrs.evolve(params, starts=starts_of(positions), marks=keep_marks(messages, positions))
@@ -190,6 +205,12 @@ def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int,
     asked = legacy if asked is None else asked
     max_tokens = check_context(service.context, prompt_tokens, asked, defaults.max_tokens, prompt_param)
     ignore_eos = read_bool(body, "ignore_eos")
+    min_tokens = read_int(body, "min_tokens", low=0)
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' {min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+    stops = body.get("stop_token_ids")
+    asked_stops = () if stops is None else tuple(read_token_ids(stops, "stop_token_ids", service.tokenizer.vocab_size))
+    eos = () if ignore_eos else (*service.tokenizer.eos_ids, *defaults.stop_token_ids)
     return attrs.evolve(
         defaults,
         temperature=defaults.temperature if temperature is None else greedy_below(temperature),
@@ -198,8 +219,9 @@ def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int,
         min_p=defaults.min_p if min_p is None else min_p,
         seed=defaults.seed if seed is None else seed,
         max_tokens=max_tokens,
-        stop_token_ids=() if ignore_eos else tuple(dict.fromkeys((*service.tokenizer.eos_ids,
-                                                                   *defaults.stop_token_ids))),
+        stop_token_ids=tuple(dict.fromkeys((*eos, *asked_stops))),  # ignore_eos drops the EOS ids, not these
+        logit_bias=read_logit_bias(body, service.tokenizer.vocab_size),
+        min_tokens=min_tokens or 0,
     )
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tensorfold.engine import noise
 from tensorfold.engine.api import Sampling
-from tensorfold.engine.sampler import Sampler, SampleRow, filtered, probabilities
+from tensorfold.engine.sampler import Sampler, SampleRow, adjusted, filtered, probabilities
 
 CUDA = torch.cuda.is_available()
 BATCHES = (1, 3, 8, 17, 64)
@@ -27,7 +27,10 @@ SUBJECTS = [
     Sampling(seed=9, temperature=0.6, top_k=50, top_p=0.8, min_p=0.02),
     Sampling(seed=1, top_p=1e-46),
     Sampling(seed=11, temperature=1e-30),
-]  # the rows whose tokens are followed from batch to batch
+    Sampling(seed=12, temperature=0.9, logit_bias=((3, 5.0), (40, -100.0), (77, 2.5))),
+    Sampling(temperature=0.0, logit_bias=((5, 30.0),), min_tokens=1 << 31, stop_token_ids=(5, 6)),
+    Sampling(seed=13, top_k=30, min_tokens=1 << 31, stop_token_ids=tuple(range(0, 400, 3))),
+]  # the rows whose tokens are followed from batch to batch (the last two hold their stops back at any counter)
 OTHERS = [*SUBJECTS, Sampling(seed=4, top_k=1), Sampling(seed=6, temperature=3.0, top_p=0.5), Sampling(min_p=1.0)]
 KINDS = ("normal", "normal", "normal", "ties", "padding", "nan", "plus-inf", "minus-inf", "masked")
 
@@ -70,6 +73,7 @@ def batch_around(subjects: list[torch.Tensor], size: int, vocab: int, gen: torch
 def scores(logits: torch.Tensor, rows: list[SampleRow], counters: list[int]) -> torch.Tensor:
     """What the pass takes the argmax of for sampled rows: kept x plus noise, float64 [R, V] (the bits compared)."""
     params = torch.tensor([row.values for row in rows], dtype=torch.float64, device=logits.device)
+    logits = adjusted(logits, rows, counters)
     kept = filtered(logits, logits.amax(dim=-1), params, any(row.sorts for row in rows))
     keys = noise.keys(torch.tensor([row.root for row in rows]), torch.tensor(counters)).to(logits.device)
     return kept + noise.gumbel(keys, noise.positions(logits.shape[1], logits.device))
@@ -247,3 +251,31 @@ def test_gpu_tokens_are_the_cpus_for_equal_logits():
         total += size
     print(json.dumps({"bench": "tokens_cpu_vs_gpu", "rows": total, "agree": agree}))
     assert agree == total
+
+
+def test_logit_bias_is_added_before_every_rule():
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(300, generator=gen) * 3
+    bias = ((7, 4.0), (8, -100.0), (299, 1.5))
+    for sampling in (Sampling(seed=1), Sampling(seed=1, temperature=0.6, top_p=0.8, top_k=40, min_p=0.01)):
+        shifted = logits.clone()
+        for token, value in bias:
+            shifted[token] += value
+        ours = probabilities(logits, SampleRow.of(attrs.evolve(sampling, logit_bias=bias)))
+        assert torch.equal(ours, probabilities(shifted, SampleRow.of(sampling)))
+    pushed = Sampling(temperature=0.0, logit_bias=((123, 100.0),))
+    assert Sampler().sample(logits[None].repeat(3, 1), [SampleRow.of(pushed)] * 3, [0, 5, 9]) == [123] * 3
+
+
+def test_min_tokens_holds_the_stop_tokens_back_until_the_counter_reaches_it():
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.randn(300, generator=gen)
+    stop = int(logits.argmax())
+    logits[stop] += 50.0                                 # the stop token is the greedy choice by far
+    row = SampleRow.of(Sampling(temperature=0.0, min_tokens=3, stop_token_ids=(stop, 2)))
+    tokens = Sampler().sample(logits[None].repeat(5, 1), [row] * 5, [0, 1, 2, 3, 4])
+    held = int(logits.clone().index_fill_(0, torch.tensor([stop, 2]), float("-inf")).argmax())
+    assert tokens == [held, held, held, stop, stop]
+    sampled = SampleRow.of(Sampling(seed=4, min_tokens=2, stop_token_ids=(stop,)))
+    assert probabilities(logits, sampled, counter=1)[stop] == 0.0
+    assert probabilities(logits, sampled, counter=2)[stop] > 0.99
