@@ -86,3 +86,14 @@ def test_no_stops_sends_everything_at_once(tokenizer):
     ids = tokenizer.encode("Hello!")
     assert [decoder.push(t) for t in ids] == [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):]
                                               for i in range(len(ids))]
+
+
+def test_include_keeps_the_stop_string_and_nothing_after_it(tokenizer):
+    text = "one two three four five"
+    for stops, kept in ((["three"], "one two three"), (["two thr", "two"], "one two"), (["zzz"], text)):
+        decoder = StopText(tokenizer.decode, stops, include=True)
+        pieces = [decoder.push(t) for t in tokenizer.encode(text)]
+        assert "".join(pieces) + decoder.finish() == kept
+        without = StopText(tokenizer.decode, stops)
+        plain = "".join(without.push(t) for t in tokenizer.encode(text)) + without.finish()
+        assert kept == (plain + next(s for s in stops if kept.endswith(s)) if without.stopped else plain)

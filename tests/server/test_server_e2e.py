@@ -120,17 +120,17 @@ def test_stop_string(client, model):
     middle = len(full) // 2
     stop = next((full[i:i + 2] for i in range(middle, len(full) - 1) if "\ufffd" not in full[i:i + 2]), None)
     assert stop, f"no usable stop string in {full!r}"
-    expected = full[:full.find(stop)]
-    for stream in (False, True):
+    for stream, include in ((False, False), (True, False), (False, True), (True, True)):
+        expected = full[:full.find(stop) + (len(stop) if include else 0)]
         kwargs = dict(model=model, prompt="Monday Tuesday", max_tokens=16, temperature=0, stop=[stop],
-                      extra_body={"ignore_eos": True})
+                      extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
         if stream:
             chunks = list(client.completions.create(stream=True, **kwargs))
             text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
         else:
             choice = client.completions.create(**kwargs).choices[0]
             text, reason = choice.text, choice.finish_reason
-        assert (text, reason) == (expected, "stop"), (stream, stop, full)
+        assert (text, reason) == (expected, "stop"), (stream, include, stop, full)
 
 
 def test_concurrent_requests(client, model):
@@ -206,3 +206,13 @@ def test_logit_bias_and_min_tokens_through_the_client(client, model, server):
     assert held.finish_reason == "length" and ids[0] not in held.model_extra["token_ids"]
     with pytest.raises(openai.BadRequestError, match="'min_tokens' 9 is more than max_tokens 6"):
         client.completions.create(model=model, prompt=prompt, max_tokens=6, extra_body={"min_tokens": 9})
+
+
+def test_continue_final_message_through_the_client(client, model, server):
+    said = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "A city I like is"}]
+    reply = client.chat.completions.create(model=model, messages=said, max_tokens=4, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True})
+    prompt = reply.model_extra["prompt_token_ids"]
+    turn = tokenize(server, messages=said, add_generation_prompt=False)["tokens"]
+    assert prompt == turn[: len(prompt)] and len(prompt) < len(turn)  # the final turn left open
+    assert detokenize(server, prompt).endswith("A city I like is")

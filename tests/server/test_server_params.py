@@ -215,7 +215,6 @@ def test_template_kwargs_reach_the_template(service, tokenizer):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("include_stop_str_in_output", True), ("continue_final_message", True),
     ("chat_template", "{{ messages }}"), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
     ("truncate_prompt_tokens", 8), ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
@@ -227,7 +226,7 @@ def test_vllm_fields_not_honoured_are_refused_by_name(service, field, value):
 
 
 def test_vllm_fields_at_their_no_op_values_pass(service):
-    body = {"messages": HI, "include_stop_str_in_output": False, "continue_final_message": False,
+    body = {"messages": HI, "continue_final_message": False,
             "bad_words": []}
     assert parse_chat(body, service).sampling == parse_chat({"messages": HI}, service).sampling
 
@@ -256,3 +255,17 @@ def test_logit_bias_and_min_tokens_reach_the_sampling(service):
     assert got.logit_bias == ((3, -100.0), (7, 5.0), (9, 0.5)) and got.min_tokens == 4
     plain = parse_completion({"prompt": "Hi"}, service).sampling
     assert plain.logit_bias == () and plain.min_tokens == 0
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(service, tokenizer):
+    said = [*HI, {"role": "assistant", "content": "The capital of France is"}]
+    got = parse_chat({"messages": said, "continue_final_message": True, "add_generation_prompt": False}, service)
+    whole = tokenizer.render(said, add_generation_prompt=False)
+    cut = whole[: whole.rindex("The capital of France is") + len("The capital of France is")]
+    assert list(got.prompt) == tokenizer.encode(cut) and len(cut) < len(whole)
+    assert got.starts == ()
+    for body, why in (({"messages": said, "continue_final_message": True}, "needs 'add_generation_prompt': false"),
+                      ({"messages": HI, "continue_final_message": True, "add_generation_prompt": False},
+                       "needs a final assistant message")):
+        error = refused(parse_chat, body, service)
+        assert error.param == "continue_final_message" and why in error.message

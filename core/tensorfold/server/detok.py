@@ -53,12 +53,14 @@ class Window:
 class StopText:
     """The completion's text so far; `push` returns what may be sent now, `finish` what is left at the end."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = (),
+                 include: bool = False) -> None:
         self.window = Window(decode)
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # the text ends after the stop string, not before it (include_stop_str_in_output)
         self.longest = max((len(s) for s in self.stops), default=0)
         self.held = ""  # decoded and final text not sent yet: a tail that could still grow into a stop string
-        self.stopped = False  # a stop string was seen; the text ends before it and later tokens are ignored
+        self.stopped = False  # a stop string was seen; the text ends at it and later tokens are ignored
 
     @property
     def ids(self) -> list[int]:
@@ -85,15 +87,20 @@ class StopText:
             return
         start = max(0, len(self.held) - self.longest + 1)
         self.held += new
-        cut = self._first_stop(start)
-        if cut is not None:
-            self.held = self.held[:cut]
+        found = self._first_stop(start)
+        if found is not None:
+            cut, stop = found
+            self.held = self.held[:cut + len(stop)] if self.include else self.held[:cut]
             self.stopped = True
 
-    def _first_stop(self, start: int) -> int | None:
-        """Where the earliest stop string begins at or after `start` in the held text, if any."""
-        found = [i for i in (self.held.find(s, start) for s in self.stops) if i >= 0]
-        return min(found) if found else None
+    def _first_stop(self, start: int) -> tuple[int, str] | None:
+        """The earliest stop string at or after `start` in the held text (the shortest of those starting there),
+        with where it begins; None when there is none."""
+        found = [(i, len(s), s) for s, i in ((s, self.held.find(s, start)) for s in self.stops) if i >= 0]
+        if not found:
+            return None
+        index, _, stop = min(found)
+        return index, stop
 
     def _take(self, final: bool) -> str:
         """Hand out the held text up to the part that could still grow into a stop string."""

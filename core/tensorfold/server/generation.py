@@ -66,7 +66,7 @@ class Generation:
     def __init__(self, service: Service, params: Generate, prefix: str, partition: str = "") -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.params = params
-        self.text = StopText(service.tokenizer.decode, params.stop)
+        self.text = StopText(service.tokenizer.decode, params.stop, include=params.include_stop)
         self.finished = False
         self._service = service
         self._loop = asyncio.get_running_loop()

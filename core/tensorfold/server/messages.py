@@ -81,6 +81,22 @@ def read_template_kwargs(body: Mapping[str, Any], name: str = "chat_template_kwa
     return dict(value)
 
 
+def continued(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The rendered chat cut right after the final message's content (continue_final_message), as HF's
+    apply_chat_template cuts it: the reply goes on from that text, with no end of turn in between."""
+    final = messages[-1] if messages else {}
+    content = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise bad_request("'continue_final_message' needs a final assistant message with text to continue",
+                          "continue_final_message")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise bad_request("'continue_final_message': the chat template does not write the final message's text as "
+                      "given, so there is no place to continue it", "continue_final_message")
+
+
 def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
            kwargs: Mapping[str, Any]) -> str:
     """The prompt text; a template that refuses or fails on these messages is the client's 400, not a 500."""

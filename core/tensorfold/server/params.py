@@ -22,7 +22,7 @@ from tensorfold.server.fields import (
     read_str,
     read_token_ids,
 )
-from tensorfold.server.messages import read_messages, read_template_kwargs, render
+from tensorfold.server.messages import continued, read_messages, read_template_kwargs, render
 from tensorfold.server.prompts import chat_ids
 from tensorfold.server.starts import keep_marks, start_positions, starts_of
 from tensorfold.service import Service
@@ -43,8 +43,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     # vLLM's extra fields this server does not honour yet: refused by name, never silently ignored
-    "include_stop_str_in_output": lambda v: v is False,
-    "continue_final_message": lambda v: v is False,
     "chat_template": lambda v: False,
     "bad_words": lambda v: v == [],
     "allowed_token_ids": lambda v: False,
@@ -70,6 +68,7 @@ class Generate:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    include_stop: bool = False  # (vLLM) include_stop_str_in_output: the text ends after the stop string
     starts: tuple[int, ...] = ()  # where the chat's messages start in `prompt`, with the request-starts switch
     marks: KeepMarks = KeepMarks()  # where states are worth keeping (history, system and rewind), likewise
     cache_salt: str | None = None  # kept states are shared only among requests with the same salt (and key)
@@ -90,6 +89,11 @@ def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: b
     kwargs = read_template_kwargs(body)
     add = read_bool(body, "add_generation_prompt", default=True)
     text = render(service.tokenizer, messages, add_generation_prompt=add, kwargs=kwargs)
+    if read_bool(body, "continue_final_message"):
+        if add:
+            raise bad_request("'continue_final_message' needs 'add_generation_prompt': false (the reply continues "
+                              "the final message instead of opening a new one)", "continue_final_message")
+        text = continued(text, messages)
     prompt = chat_ids(service.tokenizer, messages, text, add, kwargs, specials_in_content)
     if not prompt:
         raise bad_request("the messages render to an empty prompt", "messages")
@@ -178,7 +182,8 @@ def generate(body: Mapping[str, Any], service: Service, prompt: list[int], promp
     return Generate(model=model or service.model_name, prompt=tuple(prompt),
                     sampling=read_sampling(body, service, len(prompt), prompt_param), stop=read_stop(body),
                     stream=stream, include_usage=include_usage,
-                    return_token_ids=read_bool(body, "return_token_ids"), cache_salt=read_salt(body))
+                    return_token_ids=read_bool(body, "return_token_ids"), cache_salt=read_salt(body),
+                    include_stop=read_bool(body, "include_stop_str_in_output"))
 
 
 def read_salt(body: Mapping[str, Any]) -> str | None:
