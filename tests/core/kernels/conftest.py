@@ -129,3 +129,10 @@ def fla_interpreted(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
                 monkeypatch.setattr(module, "range", kernel_range, raising=False)
 
     return interpret
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Each kernel test draws its inputs from the same global seed whatever ran before it: a low-precision
+    comparison's margin depends on the draw, so unseeded draws made the suite's result depend on test order."""
+    torch.manual_seed(0)
