@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -12,7 +11,7 @@ from typing import Any
 import attrs
 import torch
 
-from tensorfold.checkpoint import Checkpoint
+from tensorfold.checkpoint import Checkpoint, CheckpointError
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.engine.api import Sampling
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes, has_decode
@@ -73,14 +72,13 @@ def pick_family(name: str | None, model: Path | None = None) -> Family:
 
 
 def checkpoint_model_type(model: Path | None) -> str | None:
-    """The `model_type` in a checkpoint directory's config.json, None when there is none to read."""
+    """The checkpoint's `model_type` (Checkpoint reads it), None when there is none to read."""
     if model is None:
         return None
     try:
-        value = json.loads((Path(model).expanduser() / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        return Checkpoint(Path(model).expanduser(), require_weights=False).model_type
+    except (CheckpointError, OSError, ValueError):
         return None
-    return value if isinstance(value, str) else None
 
 
 def resolve_device(device: str) -> torch.device:

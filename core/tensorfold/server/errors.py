@@ -50,6 +50,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, INVALID, param, code)
 
 
+def model_not_found(name: str, served: tuple[str, ...]) -> ApiError:
+    """A request or route naming a model this server does not serve (vLLM's 404)."""
+    names = ", ".join(f"'{s}'" for s in served)
+    return ApiError(404, f"The model '{name}' does not exist; this server serves {names}", param="model",
+                    code="model_not_found")
+
+
 def queue_full(message: str) -> ApiError:
     """A 503 telling the client to come back shortly."""
     return ApiError(503, f"the server is busy: {message}; retry later", UNAVAILABLE,

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from tensorfold.engine.api import KeepMarks, Sampling
-from tensorfold.server.errors import ApiError, bad_request
+from tensorfold.server.errors import bad_request, model_not_found
 from tensorfold.server.fields import (
     SEED_MAX,
     SEED_MIN,
@@ -137,9 +137,7 @@ def check_common(body: Mapping[str, Any], service: Service) -> str:
     have. Returns the model name the answer carries: the one asked for, else the first served."""
     model = read_str(body, "model")
     if model is not None and model not in service.names:
-        served = ", ".join(f"'{name}'" for name in service.names)
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
-                       code="model_not_found")
+        raise model_not_found(model, service.names)
     n = read_int(body, "n")
     if n is not None and n != 1:
         raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}", "n")

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from tensorfold.server.bodies import ParseSlots
 from tensorfold.server.door import FrontDoor
-from tensorfold.server.errors import ApiError, engine_failed
+from tensorfold.server.errors import engine_failed, model_not_found
 from tensorfold.server.fields import parse_body
 from tensorfold.server.generation import ClientGone, EngineFailed, Finish, Generation
 from tensorfold.server.isolation import partition_of
@@ -107,9 +107,7 @@ def routes(service: Service, door: FrontDoor | None = None) -> list[Route]:
     async def model(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in service.names:
-            served = ", ".join(f"'{served}'" for served in service.names)
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+            raise model_not_found(name, service.names)
         return JSONResponse(model_card(name))
 
     async def health(request: Request) -> Response:
