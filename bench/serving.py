@@ -45,6 +45,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+import attrs
 import gpu  # bench/gpu.py: python puts the script's directory (bench/) first on sys.path
 import torch
 from gpu import SHAPES
@@ -170,14 +171,35 @@ def client_env(client: Path, extra: str) -> dict[str, str]:
     return env
 
 
-def run_level(args: argparse.Namespace, client: Path, port: int, checkpoint: Path, concurrency: int,
+@attrs.frozen
+class Level:
+    """One run of the client: its concurrency, requests per client and new tokens per request."""
+
+    concurrency: int
+    per_client: int
+    output: int
+
+    @classmethod
+    def parsed(cls, text: str) -> Level:
+        """`C:PER_CLIENT:OUTPUT`, e.g. 64:1:1024 (one wave of 64 requests of 1,024 new tokens each)."""
+        concurrency, per_client, output = (int(part) for part in text.split(":"))
+        return cls(concurrency, per_client, output)
+
+
+def levels_of(args: argparse.Namespace) -> list[Level]:
+    """--levels at --prompts-per-client and --output, then each --run."""
+    return [Level(c, args.prompts_per_client, args.output) for c in args.levels] + [Level.parsed(r) for r in args.run]
+
+
+def run_level(args: argparse.Namespace, client: Path, port: int, checkpoint: Path, level: Level,
               work: Path, log) -> dict[str, object]:
-    """One run of the client at `concurrency`; its result line (the client's own JSON)."""
-    prompts = max(args.min_prompts, args.prompts_per_client * concurrency)
-    result = work / f"client-{concurrency}.jsonl"
+    """One run of the client at `level`; its result line (the client's own JSON)."""
+    concurrency = level.concurrency
+    prompts = max(args.min_prompts, level.per_client * concurrency)
+    result = work / f"client-{concurrency}-{level.per_client}-{level.output}.jsonl"
     command = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "vllm", "--host", "127.0.0.1",
                "--port", str(port), "--dataset-name", "random-ids", "--tokenizer", str(checkpoint),
-               "--random-input-len", str(args.input), "--random-output-len", str(args.output),
+               "--random-input-len", str(args.input), "--random-output-len", str(level.output),
                "--random-range-ratio", "1", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
                "--warmup-requests", str(min(concurrency, args.max_warmup)), "--seed", str(args.seed),
                "--output-file", str(result), "--disable-tqdm"]
@@ -212,7 +234,7 @@ def get(url: str, timeout: float = 5) -> int:
 
 
 def start_server(args: argparse.Namespace, checkpoint: Path, port: int, log_path: Path) -> subprocess.Popen:
-    parallel = max(args.levels)
+    parallel = max(level.concurrency for level in levels_of(args))
     command = [sys.executable, "-m", "tensorfold", "serve", "--family", SHAPES[args.shape][0], "--model",
                str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
                "--max-waiting", str(4 * parallel), "--context", str(args.context), "--dtype", args.dtype,
@@ -266,11 +288,11 @@ def r(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def served_line(args: argparse.Namespace, concurrency: int, got: dict, version: str,
+def served_line(args: argparse.Namespace, level: Level, got: dict, version: str,
                 beside: dict[str, float] | None) -> dict[str, object]:
-    record = {"bench": "served", "shape": args.shape, "concurrency": concurrency, "client": version,
+    record = {"bench": "served", "shape": args.shape, "concurrency": level.concurrency, "client": version,
               "prompts": got["_prompts"], "completed": got["completed"], "input_len": args.input,
-              "output_len": args.output, "output_tok_s": r(got["output_throughput"]),
+              "output_len": level.output, "output_tok_s": r(got["output_throughput"]),
               "ttft_p50_ms": r(got["median_ttft_ms"], 2), "ttft_p99_ms": r(got["p99_ttft_ms"], 2),
               "itl_p50_ms": r(got["median_itl_ms"], 3), "itl_p99_ms": r(got["p99_itl_ms"], 3),
               "tpot_p50_ms": r(got["median_tpot_ms"], 3), "e2e_p50_ms": r(got["median_e2e_latency_ms"], 1),
@@ -292,6 +314,8 @@ def main() -> None:
     parser.add_argument("--input", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--output", type=int, default=128, help="new tokens per request (ignore_eos)")
     parser.add_argument("--prompts-per-client", type=int, default=2, help="requests per level = this × concurrency")
+    parser.add_argument("--run", nargs="*", default=[], metavar="C:PER_CLIENT:OUTPUT",
+                        help="more runs after --levels on the same server, e.g. 64:1:128 (one wave of 64)")
     parser.add_argument("--min-prompts", type=int, default=4)
     parser.add_argument("--max-warmup", type=int, default=128, help="warm-up requests per level at most")
     parser.add_argument("--seed", type=int, default=1)
@@ -334,20 +358,23 @@ def main() -> None:
         port = free_port()
         began = time.perf_counter()
         server = start_server(args, checkpoint, port, logs / "serving-server.log")
-        emit(out, bench="served_server", shape=args.shape, port=port, parallel=max(args.levels),
-             ready_s=round(time.perf_counter() - began, 1), client=version)
+        levels = levels_of(args)
+        emit(out, bench="served_server", shape=args.shape, port=port,
+             parallel=max(level.concurrency for level in levels), ready_s=round(time.perf_counter() - began, 1),
+             client=version)
         beside = compared(args.compare, args.shape)
         try:
             with open(logs / "serving-client.log", "a") as log:
-                for concurrency in args.levels:
+                for level in levels:
                     try:
-                        got = run_level(args, client, port, checkpoint, concurrency, work, log)
+                        got = run_level(args, client, port, checkpoint, level, work, log)
                     except (RuntimeError, subprocess.TimeoutExpired) as err:
-                        emit(out, bench="served", shape=args.shape, concurrency=concurrency, error=str(err))
+                        emit(out, bench="served", shape=args.shape, concurrency=level.concurrency,
+                             output_len=level.output, error=str(err))
                         if server.poll() is not None:
                             break
                         continue
-                    emit(out, **served_line(args, concurrency, got, version, beside.get(concurrency)))
+                    emit(out, **served_line(args, level, got, version, beside.get(level.concurrency)))
         finally:
             status = stop_server(server)
             emit(out, bench="served_server_exit", shape=args.shape, exit=status)

@@ -17,6 +17,7 @@ from tensorfold.engine.api import Sampling
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes, has_decode
 from tensorfold.engine.runner import Engine
 from tensorfold.engine.stats import EngineStats
+from tensorfold.engine.warmup import warm_forward
 from tensorfold.family import Declarations, Family, FamilyModel, PluginError
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import Layout
@@ -102,6 +103,8 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--context {settings.context} is too small: it must be at least 2")
     if settings.prefill_chunk < 1:
         found.append(f"--prefill-chunk {settings.prefill_chunk} must be at least 1")
+    if settings.step_rows < 1:
+        found.append(f"--max-step-rows {settings.step_rows} must be at least 1")
     if settings.min_chunk < 1:
         found.append(f"--min-chunk {settings.min_chunk} must be at least 1")
     if settings.max_waiting < 1:
@@ -333,12 +336,15 @@ def boot(settings: Settings, family: Family) -> Loaded:
     memory = build_memory(plan, declarations.layout, settings, device)
     disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device) if settings.learn else None
     model = decode_runner(model, memory, plan.parallel, settings)
+    if device.type == "cuda":
+        warm_forward(model, memory, settings.context)
     host_bytes = host_cache_bytes(settings)
     tier, host = build_tiers(settings, memory, host_bytes)
     stats = EngineStats()
     engine = Engine(model, memory, settings.prefill_chunk, settings.context, settings.max_waiting,
                     min_chunk=settings.min_chunk, tier=tier, host=host, disk=disk, stats=stats,
-                    overlap=isinstance(model, DecodeRunner) and settings.switch("TF_OVERLAP"), seed=settings.seed)
+                    overlap=isinstance(model, DecodeRunner) and settings.switch("TF_OVERLAP"), seed=settings.seed,
+                    step_rows=settings.step_rows)
     names = settings.served_names or (checkpoint.directory.name,)
     service = Service(engine=engine, tokenizer=tokenizer, model_name=names[0], model_names=names, family=family.name,
                       context=settings.context, defaults=generation_defaults(checkpoint.generation, tokenizer),

@@ -27,6 +27,7 @@ from tensorfold.settings import (
     DEFAULT_PAGE_ROWS,
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_PROMPT_CACHE_GIB,
+    DEFAULT_STEP_ROWS,
     SwitchError,
     read_settings,
 )
@@ -42,6 +43,9 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, bf
                                        "bfloat16 or float16.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 ChunkOpt = Annotated[int, typer.Option("--prefill-chunk", help="Prefill grid: chunk k covers [k*N, (k+1)*N).")]
+StepRowsOpt = Annotated[int, typer.Option("--max-step-rows", "--max-num-batched-tokens",
+                                          help="Rows one step carries: decode rows and prefill chunks of several "
+                                               "streams (the oldest prefill's chunk always goes).")]
 MinChunkOpt = Annotated[int, typer.Option("--min-chunk", help="A request start closer than N rows to the previous "
                                           "prefill cut merges into it (with the family's request-starts switch).")]
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at once: N, or auto (as many as fit, "
@@ -166,6 +170,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     prefill_chunk: ChunkOpt = DEFAULT_PREFILL_CHUNK,
+    max_step_rows: StepRowsOpt = DEFAULT_STEP_ROWS,
     min_chunk: MinChunkOpt = DEFAULT_MIN_CHUNK,
     parallel: ParallelOpt = "auto",
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
@@ -210,7 +215,8 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings, chosen = _settings(family, model=model, host=host, port=port, context=context, dtype=dtype,
-                                     device=device, prefill_chunk=prefill_chunk, min_chunk=min_chunk,
+                                     device=device, prefill_chunk=prefill_chunk, step_rows=max_step_rows,
+                                     min_chunk=min_chunk,
                                      served_names=tuple(served_model_name or ()),
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
                                      kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib,

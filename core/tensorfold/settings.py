@@ -12,6 +12,7 @@ TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}
 DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 2048
+DEFAULT_STEP_ROWS = 8192  # rows one step may carry: decode rows and prefill chunks of several streams
 DEFAULT_PAGE_ROWS = 256
 DEFAULT_MIN_CHUNK = 256  # a request start closer than this to the previous prefill cut merges into it
 DEFAULT_PROMPT_CACHE_GIB = 1.0  # kept prompt states (the device tier); 0 turns the tier off
@@ -98,6 +99,7 @@ class Settings:
     dtype: str = "auto"
     device: str = "auto"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    step_rows: int = DEFAULT_STEP_ROWS      # --max-step-rows: a step's rows, past its oldest prefill chunk
     min_chunk: int = DEFAULT_MIN_CHUNK
     served_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # --served-model-name, in order
     seed: int | None = None  # --seed: the seeds of unseeded requests come from a generator seeded with it

@@ -67,6 +67,8 @@ def test_flags_given_twice_or_not_built_are_refused(tiny):
     assert tp.returncode == 2 and "tensor parallelism is not built yet" in tp.stderr
     clash = run("serve", str(tiny), "--family", "example", "--max-model-len", "512", "--context", "1024")
     assert clash.returncode == 2 and "--max-model-len 512 and --context 1024 disagree" in clash.stderr
+    budget = run("serve", str(tiny), "--family", "example", "--max-num-batched-tokens", "0")
+    assert budget.returncode == 2 and "--max-step-rows 0 must be at least 1" in budget.stderr
 
 
 def test_the_family_is_found_from_the_checkpoints_model_type(tmp_path):

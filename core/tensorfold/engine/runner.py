@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tensorfold.engine.ahead import InFlight, ahead_of, is_decode
-from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, TokenEvent
+from tensorfold.engine.ahead import InFlight
+from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request
 from tensorfold.engine.failures import LoopStopped, death_reason, device_lost, failed_request, named
 from tensorfold.engine.outbox import Outbox
-from tensorfold.engine.sampler import NonFiniteLogits, Sampler, refused
+from tensorfold.engine.sampler import NonFiniteLogits, Sampler
 from tensorfold.engine.scheduler import Scheduler
 from tensorfold.engine.stats import EngineStats
+from tensorfold.engine.steps import StepPath
 from tensorfold.engine.stream import Stream
 from tensorfold.family import FamilyModel
 from tensorfold.memory import StreamMemory
@@ -38,7 +39,6 @@ from tensorfold.service import EngineDead, QueueFull
 from tensorfold.settings import DEFAULT_MIN_CHUNK
 
 if TYPE_CHECKING:
-    from tensorfold.plan import StepPlan
     from tensorfold.tiers.device import DeviceTier
     from tensorfold.tiers.disk import DiskTier
     from tensorfold.tiers.host import HostTier
@@ -47,13 +47,14 @@ log = logging.getLogger(__name__)
 FAILED_STEPS_DEAD = 3  # whole steps failing in a row, none completing between: the loop does no useful work
 
 
-class Engine:
+class Engine(StepPath):
     """Many streams share one memory and one step loop; the server only ever calls `submit`."""
 
     def __init__(self, model: FamilyModel, memory: StreamMemory, prefill_chunk: int, context: int,
                  max_waiting: int, min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
                  host: HostTier | None = None, disk: DiskTier | None = None,
-                 stats: EngineStats | None = None, overlap: bool = False, seed: int | None = None) -> None:
+                 stats: EngineStats | None = None, overlap: bool = False, seed: int | None = None,
+                 step_rows: int | None = None) -> None:
         self.model = model
         # with `overlap`, decode steps are launched ahead (engine/ahead.py) when the model can take its tokens on
         # the device: graphs.DecodeRunner.forward_ahead
@@ -65,7 +66,7 @@ class Engine:
         self.tier = tier
         self.host = host
         self.disk = disk
-        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host, disk, seed)
+        self.scheduler = Scheduler(memory, context, prefill_chunk, min_chunk, tier, host, disk, seed, step_rows)
         self.sampler = Sampler()
         self.context = context
         self.max_waiting = max_waiting
@@ -214,77 +215,6 @@ class Engine:
                 return
             self._forward(*planned)
 
-    def _forward(self, plan: StepPlan, streams: list[Stream]) -> None:
-        """The planned step: the forward, the batched draw, then each stream's part (failing that stream alone)."""
-        self._step_streams = streams
-        started = time.monotonic()
-        logits = self.model.forward(plan, self.memory.kv)
-        drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
-        tokens: list[int] = []
-        if drawn and self._ahead is not None and is_decode(plan):  # read back once the next step is launched
-            ids = self.sampler.draw(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
-            self._inflight = InFlight.launched(plan, streams, ids, logits, started)
-            return
-        if drawn:
-            tokens = self.sampler.sample(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
-        self._failed_steps = 0
-        now = time.monotonic()
-        decode_rows = sum(1 for stream in streams if not stream.prefilling)
-        waited = bool(drawn) or not logits.is_cuda  # on CUDA a step that samples nothing never waits for the device
-        self.stats.step(sum(len(share.tokens) for share in plan.streams) - decode_rows, decode_rows,
-                        now - started if waited else None)
-        row = 0
-        for stream, share in zip(streams, plan.streams, strict=True):
-            mine = row if share.sample else None
-            row += share.sample
-            try:
-                stream.position = share.end
-                if share.start < stream.prompt_len:
-                    self.scheduler.kept(stream, share.end)
-                if mine is not None:
-                    self._sampled(stream, tokens[mine], logits[mine], now)
-            except Exception as err:
-                self._stream_failed(stream, err)
-
-    def _step_ahead(self, step: InFlight) -> None:
-        """A decode step is in flight: launch the next one from its ids on the device (unless a request waits
-        for a free slot, or none of its streams goes on), then read it back and hand out its tokens."""
-        self._inflight = None
-        self._step_streams = step.streams
-        if not (self.scheduler.waiting and self.memory.slots.free > 0):
-            self._inflight = self._launch_ahead(step)
-        tokens = step.ids()
-        self._failed_steps = 0
-        now = time.monotonic()
-        self.stats.step(0, len(step.streams), now - max(step.started, self._read_at))
-        self._read_at = now
-        for row, (stream, share) in enumerate(zip(step.streams, step.plan.streams, strict=True)):
-            if stream.ended:  # ended at an earlier step: this row was launched ahead and is dropped
-                continue
-            try:
-                if stream.request.cancelled.is_set():
-                    self._end(stream, "cancelled")
-                    continue
-                stream.position = share.end
-                self._sampled(stream, tokens[row], step.logits[row], now)
-            except Exception as err:
-                self._stream_failed(stream, err)
-
-    def _launch_ahead(self, step: InFlight) -> InFlight | None:
-        """The decode step after `step`, launched on its ids still on the device; None when there is none."""
-        planned = ahead_of(step, self.context)
-        if planned is None:
-            return None
-        plan, streams = planned
-        for stream, share in zip(streams, plan.streams, strict=True):
-            self.memory.extend(stream.claim, share.end)
-        started = time.monotonic()
-        logits = self._ahead(plan, self.memory.kv, step.tokens)
-        if logits is None:
-            return None
-        ids = self.sampler.draw(logits, [s.sample_row for s in streams], [s.produced + 1 for s in streams])
-        return InFlight.launched(plan, streams, ids, logits, started)
-
     def _admit(self) -> None:
         """Admit what fits; each admission that raised fails its request alone."""
         waiting = len(self.scheduler.waiting)
@@ -336,21 +266,6 @@ class Engine:
             self.scheduler.waiting.remove(request)
             self._dequeued()
             self._tell(request, DoneEvent("cancelled", len(request.prompt), 0, 0))
-
-    def _sampled(self, stream: Stream, token: int, logits: torch.Tensor, now: float) -> None:
-        """A stream's token from the step's batched draw (-1: its logits row cannot be sampled, which fails it)."""
-        if token < 0:
-            raise refused(logits)
-        self.stats.token(stream.request.id, now)
-        stream.produced += 1
-        self._outbox.emit(stream.request, TokenEvent(token))
-        sampling = stream.request.sampling
-        if token in sampling.stop_token_ids:
-            self._end(stream, "stop")
-        elif stream.produced >= sampling.max_tokens or stream.position + 1 >= self.context:
-            self._end(stream, "length")
-        else:
-            stream.pending = token
 
     def _end(self, stream: Stream, reason: str) -> None:
         self._finish(stream, DoneEvent(reason, stream.prompt_len, stream.produced, stream.cached))

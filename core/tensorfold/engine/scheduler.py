@@ -2,8 +2,8 @@
 
     each step:  every decoding stream feeds 1 row;
                 prefilling streams, oldest first, feed their next chunk [p, next cut) while the step's rows
-                stay within one chunk's worth (the oldest prefilling stream always gets its chunk, so every
-                stream progresses); the cuts are planned once at admission, plan_cuts(prompt, starts, chunk,
+                stay within step_rows (--max-step-rows; the oldest prefilling stream always gets its chunk, so
+                every stream progresses); the cuts are planned once at admission, plan_cuts(prompt, starts, chunk,
                 min_chunk) (cuts.py): the absolute grid when the request has no starts
     admission:  with kept tiers (tiers/chain.py), a request resumes from the longest kept state any tier holds
                 that it may resume from (a device state's full pages are shared by its lease; a host state is
@@ -46,7 +46,8 @@ class Scheduler:
 
     def __init__(self, memory: StreamMemory, context: int, prefill_chunk: int,
                  min_chunk: int = DEFAULT_MIN_CHUNK, tier: DeviceTier | None = None,
-                 host: HostTier | None = None, disk: DiskTier | None = None, seed: int | None = None) -> None:
+                 host: HostTier | None = None, disk: DiskTier | None = None, seed: int | None = None,
+                 step_rows: int | None = None) -> None:
         self.memory = memory
         self.unseeded = random.Random(seed) if seed is not None else None  # seeds of requests that give none
         self.tier = tier
@@ -56,6 +57,7 @@ class Scheduler:
         self.tiers = KeptTiers(tier, host, disk) if kept else None
         self.context = context
         self.prefill_chunk = prefill_chunk
+        self.step_rows = prefill_chunk if step_rows is None else step_rows  # a step's rows past its first chunk
         self.min_chunk = min_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Stream] = []
@@ -160,7 +162,7 @@ class Scheduler:
         for stream in self.running:
             if stream.prefilling:
                 share = self._prefill_share(stream)
-                if not first and rows + len(share.tokens) > self.prefill_chunk:
+                if not first and rows + len(share.tokens) > self.step_rows:
                     continue
                 shares.append((stream, share))
                 rows += len(share.tokens)
