@@ -14,6 +14,7 @@ import torch
 from tensorfold.checkpoint import Checkpoint, CheckpointError
 from tensorfold.embedded import embedded_checkpoint
 from tensorfold.engine.api import Sampling
+from tensorfold.engine.grammar import Grammars
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes, has_decode
 from tensorfold.engine.runner import Engine
 from tensorfold.engine.stats import EngineStats
@@ -238,7 +239,8 @@ def generation_defaults(generation: Mapping[str, Any], tokenizer: ChatTokenizer)
     temperature = float(generation.get("temperature", 1.0)) if generation.get("do_sample", True) else 0.0
     return Sampling(temperature=temperature, top_p=float(generation.get("top_p", 1.0)),
                     top_k=int(generation.get("top_k", 0) or 0), min_p=float(generation.get("min_p", 0.0) or 0.0),
-                    max_tokens=int(generation.get("max_new_tokens", 4096) or 4096), stop_token_ids=tokenizer.eos_ids)
+                    max_tokens=int(generation.get("max_new_tokens", 4096) or 4096), stop_token_ids=tokenizer.eos_ids,
+                    repetition_penalty=float(generation.get("repetition_penalty", 1.0) or 1.0))
 
 
 @attrs.frozen
@@ -332,7 +334,7 @@ def boot(settings: Settings, family: Family) -> Loaded:
         log.warning("%s given without --learn-conversations: nothing is kept on disk",
                     ", ".join(settings.learn_flags_given()))
     model = family.load(checkpoint, dtype, device)
-    tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation)
+    tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation, settings.chat_template)
     memory = build_memory(plan, declarations.layout, settings, device)
     disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device) if settings.learn else None
     model = decode_runner(model, memory, plan.parallel, settings)
@@ -353,7 +355,10 @@ def boot(settings: Settings, family: Family) -> Loaded:
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON"),
                             "prompt_cache_gib": settings.prompt_cache_gib, "host_cache_bytes": host_bytes,
-                            "host_cache_pinned": host is not None and host.pin, **learn_plan(settings, disk)})
+                            "host_cache_pinned": host is not None and host.pin, **learn_plan(settings, disk)},
+                      chat_format=family.chat_format(checkpoint.config),
+                      grammars=Grammars(tokenizer.tokenizer, model.vocab_size, tokenizer.eos_ids)
+                      if tokenizer.eos_ids else None)
     log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,
              checkpoint.directory, device, str(dtype).removeprefix("torch."), plan.parallel, settings.context,
              memory.kv.nbytes / 2**20, f"{plan.pages} pages of {plan.page_rows} rows"

@@ -199,6 +199,8 @@ def serve(
     max_connections: MaxConnectionsOpt = DEFAULT_MAX_CONNECTIONS,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
     seed: SeedOpt = None,
+    chat_template: Annotated[str | None, typer.Option(help="A chat template (a jinja file, or its text) used "
+                                                      "instead of the checkpoint's.")] = None,
     max_model_len: MaxModelLenOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None,
     tensor_parallel_size: TpOpt = 1,
@@ -217,7 +219,7 @@ def serve(
         settings, chosen = _settings(family, model=model, host=host, port=port, context=context, dtype=dtype,
                                      device=device, prefill_chunk=prefill_chunk, step_rows=max_step_rows,
                                      min_chunk=min_chunk,
-                                     served_names=tuple(served_model_name or ()),
+                                     served_names=tuple(served_model_name or ()), chat_template=chat_template,
                                      max_waiting=max_waiting, parallel=_parallel(parallel), page_rows=page_rows,
                                      kv_gib=kv_gib, prompt_cache_gib=prompt_cache_gib,
                                      host_cache_gib=host_cache_gib, learn=learn_conversations, learn_dir=learn_dir,

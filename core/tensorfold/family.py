@@ -10,6 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from tensorfold.chat.api import ChatFormat
+from tensorfold.chat.tools import tool_parser
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.image import ImageFormat
 from tensorfold.kv import KvStore
@@ -17,6 +19,9 @@ from tensorfold.layout import Layout
 from tensorfold.plan import StepPlan
 
 SWITCH_NAME = re.compile(r"^TF_[A-Z0-9_]+$")
+
+
+DEFAULT_CHAT_FORMAT = ChatFormat(tool_parser=tool_parser("hermes"))   # a family without family_chat_format
 
 
 class PluginError(Exception):
@@ -87,6 +92,18 @@ class Family:
             raise self.fail(f"family_refusals must return a sequence of sentences, got {found!r}")
         return list(found)
 
+    def chat_format(self, config: Mapping[str, Any]) -> ChatFormat:
+        """The family's think markers and tool parser, checked; hermes without markers when it declares none."""
+        found = self.call("family_chat_format", config=config)
+        if found is None:
+            return DEFAULT_CHAT_FORMAT
+        if not isinstance(found, ChatFormat):
+            raise self.fail(f"family_chat_format must return a ChatFormat, got {type(found).__name__}")
+        problems = found.problems()
+        if problems:
+            raise self.fail("family_chat_format: " + "; ".join(problems))
+        return found
+
     def make_tiny(self, directory: Path, seed: int = 0) -> None:
         """Write the family's tiny checkpoint into `directory`."""
         directory.mkdir(parents=True, exist_ok=True)
@@ -103,6 +120,9 @@ class Family:
             out["layout"] = found.layout.describe()
             out["image"] = attrs.asdict(found.image)
             out["identity"] = dict(found.identity)
+            chat = self.chat_format(config)
+            out["chat_format"] = {"tool_parser": chat.tool_parser.name, "think_start": chat.think_start,
+                                  "think_end": chat.think_end}
         return out
 
     def _expect(self, hook: str, kind: type, **kwargs: Any) -> Any:

@@ -1,7 +1,8 @@
 """The hook specs a model family answers: TensorFold's public plugin API (documented in docs/hooks.md).
 
 Every hook is called once per family at startup, with keyword arguments; an implementation may take fewer
-arguments than its spec. Each returns one answer (`firstresult`). None of them runs in the step loop.
+arguments than its spec. Each returns one answer (`firstresult`). None of them runs in the step loop. Every hook
+is required but those in OPTIONAL, which have a documented default.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from tensorfold.chat.api import ChatFormat
     from tensorfold.checkpoint import Checkpoint
     from tensorfold.family import FamilyModel
     from tensorfold.image import ImageFormat
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 PROJECT = "tensorfold"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+OPTIONAL = ("family_chat_format",)      # a family may leave these out (docs/hooks.md gives each one's default)
 
 
 # ---------------------------------------------------------------- what the family serves
@@ -72,3 +75,11 @@ def family_request_starts_switch() -> str:
 @hookspec(firstresult=True)
 def family_refusals(config: Mapping[str, Any], settings: Settings) -> Sequence[str]:
     """What this family cannot serve with these settings, each as a sentence naming the flag or field."""
+
+
+# ---------------------------------------------------------------- chat replies
+
+@hookspec(firstresult=True)
+def family_chat_format(config: Mapping[str, Any]) -> ChatFormat:
+    """The think markers and tool-call parser of the family's replies, so the server splits reasoning and calls
+    the way the model was trained to write them (optional: hermes without think markers)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from tensorfold.kv import KvStore, PagedStore
@@ -27,9 +29,32 @@ class StreamMemory:
         self.slots = slots
         self.pool = pool
 
-    def fits(self, rows: int, shared: int = 0) -> bool:
-        """A free slot and, with pages on, the pages `rows` rows need beyond `shared` pages already held."""
-        return self.slots.free > 0 and (self.pool is None or self.pool.fits(rows, shared))
+    def fits(self, rows: int, shared: int = 0, forks: Sequence[int] = ()) -> bool:
+        """A free slot and, with pages on, the pages `rows` rows need beyond `shared` pages already held; with
+        `forks` (each fork's rows: engine/forks.py), a slot and pages for each of them too, all at once."""
+        if not forks:
+            return self.slots.free > 0 and (self.pool is None or self.pool.fits(rows, shared))
+        return self.slots.free > len(forks) and self.pages_needed(rows, shared, forks) <= self.available
+
+    def pages_needed(self, rows: int, shared: int = 0, forks: Sequence[int] = ()) -> int:
+        """New pages a stream of `rows` rows (its first `shared` pages held already) and its forks reserve."""
+        if self.pool is None:
+            return 0
+        return self.pool.pages_for(rows) - shared + sum(self.pool.pages_for(fork) for fork in forks)
+
+    @property
+    def available(self) -> int:
+        """Pages a new claim may reserve now (none needed without pages)."""
+        return self.pool.available if self.pool is not None else 0
+
+    def never_fits(self, rows: int, forks: Sequence[int]) -> str | None:
+        """Why a stream and its forks could not run together even with nothing else running; None when they can."""
+        if len(forks) + 1 > self.slots.count:
+            return f"{len(forks) + 1} streams of one prompt need as many slots, this engine has {self.slots.count}"
+        if self.pool is not None and self.pages_needed(rows, 0, forks) > self.pool.total:
+            return (f"{len(forks) + 1} streams of one prompt need {self.pages_needed(rows, 0, forks)} pages, the "
+                    f"pool has {self.pool.total}")
+        return None
 
     def take(self, owner: str, rows: int, shared: tuple[int, ...] = ()) -> Claim:
         """Reserve a slot and the pages of `rows` rows, the first of them `shared` (a kept state's full pages,
@@ -50,6 +75,19 @@ class StreamMemory:
             if self.kv.poison:
                 self.kv.fill(taken)
             self.kv.bind(claim.slot, claim.lease.pages)
+
+    def copy_state(self, src: Claim, dst: Claim, at: int) -> None:
+        """Give `dst` the state `src` holds at row `at` (a fork of a stream at its prompt's end): every fixed state
+        of its slot, and the entries of every row state for rows [0, at), in pages of its own (or its window)."""
+        kv = self.kv
+        self.extend(dst, at)
+        for i, layer in enumerate(kv.layout.layers):
+            for spec in layer.fixed:
+                kv.fixed(i, spec.name, dst.slot).copy_(kv.fixed(i, spec.name, src.slot))
+            for spec in layer.rows:
+                entries = kv.rows(i, spec.name, src.slot, at)
+                if entries.shape[0]:
+                    kv.write_rows(i, spec.name, dst.slot, 0, entries)
 
     def release(self, claim: Claim) -> None:
         """Return the slot and every page."""

@@ -13,7 +13,8 @@ from tensorfold import hookspecs
 from tensorfold.family import Family, PluginError, check_static
 
 GROUP = "tensorfold"
-REQUIRED_HOOKS = tuple(name for name in dir(hookspecs) if name.startswith("family_"))
+REQUIRED_HOOKS = tuple(name for name in dir(hookspecs)
+                       if name.startswith("family_") and name not in hookspecs.OPTIONAL)
 
 
 INSTALL_HINT = ("install a family's package from the TensorFold source tree (the packages are not on PyPI yet): "

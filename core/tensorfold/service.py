@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from tensorfold.chat.api import ChatFormat
 from tensorfold.engine.api import Request, Sampling
 from tensorfold.engine.stats import EngineStats
 from tensorfold.tokenizer import ChatTokenizer
@@ -54,6 +55,8 @@ class Service:
     isolate_by_key: bool = False  # --isolate-cache-by-key: a request's partition names its API key
     stats: EngineStats | None = None
     model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # every name served; () = model_name
+    chat_format: ChatFormat | None = None  # the family's think markers and tool parser (None: replies are content)
+    grammars: Any = None  # engine/grammar.py's Grammars for structured output (None: none is served)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -102,6 +102,7 @@ class Settings:
     step_rows: int = DEFAULT_STEP_ROWS      # --max-step-rows: a step's rows, past its oldest prefill chunk
     min_chunk: int = DEFAULT_MIN_CHUNK
     served_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # --served-model-name, in order
+    chat_template: str | None = attrs.field(default=None, repr=False)  # --chat-template's text (None: the model's)
     seed: int | None = None  # --seed: the seeds of unseeded requests come from a generator seeded with it
     max_waiting: int = 64
     parallel: int | None = None
@@ -152,9 +153,23 @@ class Settings:
 
 
 def read_settings(environ: Mapping[str, str], switch_defaults: Iterable[tuple[str, bool]], *,
-                  api_key: Iterable[str] = (), api_key_file: Path | None = None, **flags: object) -> Settings:
+                  api_key: Iterable[str] = (), api_key_file: Path | None = None, chat_template: str | None = None,
+                  **flags: object) -> Settings:
     """Build the record from parsed flags and the environment; the only place TF_* switches and TF_API_KEY are
-    read, and where --api-key-file is read (once)."""
+    read, and where --api-key-file and --chat-template's file are read (once)."""
     switches = {name: read_switch(environ, name, default) for name, default in (*CORE_SWITCHES, *switch_defaults)}
     return Settings(cache_dir=cache_home(environ), switches=switches,
-                    api_keys=read_api_keys(environ, api_key, api_key_file), **flags)
+                    api_keys=read_api_keys(environ, api_key, api_key_file),
+                    chat_template=read_chat_template(chat_template), **flags)
+
+
+def read_chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself when it is written inline (as vLLM takes it)."""
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in given or "{%" in given:
+        return given
+    raise ValueError(f"--chat-template {given}: no such file (give a jinja file, or the template text itself)")

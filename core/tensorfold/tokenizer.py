@@ -17,6 +17,9 @@ class TemplateError(ValueError):
     """The chat template refused the messages (it raised), or could not be rendered."""
 
 
+TEMPLATES_KEPT = 16  # distinct per-request chat templates kept compiled
+
+
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
@@ -28,7 +31,8 @@ def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
 class ChatTokenizer:
     """A checkpoint's tokenizer with its chat template and end tokens."""
 
-    def __init__(self, directory: Path | str, generation: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, directory: Path | str, generation: Mapping[str, Any] | None = None,
+                 template: str | None = None) -> None:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
@@ -41,10 +45,12 @@ class ChatTokenizer:
         self.special_text = re.compile("|".join(re.escape(t.content) for t in specials)) if specials else None
         config_path = directory / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.template_source = self._template_source(directory)
+        self.template_source = template if template is not None else self._template_source(directory)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
+        self._env = env
+        self._compiled: dict[str, jinja2.Template] = {}  # per-request templates by source, the latest few
         self.template = env.from_string(self.template_source) if self.template_source else None
         self.eos_ids = self._eos_ids(generation or {})
 
@@ -84,17 +90,36 @@ class ChatTokenizer:
             piece = piece.replace(marker, value)
         return self.encode(piece, specials=False) if piece else []
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens written out (what logprobs name a token by)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ids, special tokens left out."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def compile(self, source: str) -> jinja2.Template:
+        """A request's own chat template (vLLM's `chat_template` field), compiled once while it is in use; a
+        template that does not compile is a TemplateError."""
+        found = self._compiled.get(source)
+        if found is None:
+            try:
+                found = self._env.from_string(source)
+            except jinja2.TemplateError as err:
+                raise TemplateError(f"the chat template does not compile: {err}") from err
+            if len(self._compiled) >= TEMPLATES_KEPT:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[source] = found
+        return found
+
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
-        """The prompt text for a chat, as the checkpoint's template writes it."""
-        if self.template is None:
-            raise TemplateError("this checkpoint has no chat template; use /v1/completions")
+               template: jinja2.Template | None = None, **kwargs: Any) -> str:
+        """The prompt text for a chat, as the checkpoint's template (or the request's `template`) writes it."""
+        template = template or self.template
+        if template is None:
+            raise TemplateError("this checkpoint has no chat template; give --chat-template or use /v1/completions")
         try:
-            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                         bos_token=self.config.get("bos_token") or "",
                                         eos_token=self.config.get("eos_token") or "", **kwargs)
         except TemplateError:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorfold.chat.api import ChatFormat
+from tensorfold.chat.tools import tool_parser
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
@@ -215,6 +217,15 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "kda_state": f"recurrent float32, conv tail {act} (last {c.linear_conv_kernel_dim - 1} inputs of [q|k|v])",
         "kda_algorithm": f"chunked {CHUNK} on the absolute grid; 1-token steps recurrent",
     }
+
+
+# ---------------------------------------------------------------- chat replies
+
+@hookimpl
+def family_chat_format(config: Mapping[str, Any]) -> ChatFormat:
+    """GLM-5's replies: `<arg_key>`/`<arg_value>` tool calls (glm47) and `<think>` blocks, which its template opens
+    in the generation prompt with thinking on (the tiny checkpoint's ChatML opens none, so its replies are content)."""
+    return ChatFormat(tool_parser=tool_parser("glm47"), think_start="<think>", think_end="</think>")
 
 
 # ---------------------------------------------------------------- refusals

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tensorfold.chat.api import ChatFormat
+from tensorfold.chat.tools import tool_parser
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
@@ -145,6 +147,15 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "gdn_state": f"recurrent float32, conv tail {dtype_name(dtype)} (last {c.conv_kernel - 1} inputs)",
         "gdn_algorithm": f"chunked {CHUNK} on the absolute grid; 1-token steps recurrent",
     }
+
+
+# ---------------------------------------------------------------- chat replies
+
+@hookimpl
+def family_chat_format(config: Mapping[str, Any]) -> ChatFormat:
+    """Qwen3.5's replies: XML tool calls (qwen3_coder) and `<think>` blocks, which its template opens in the
+    generation prompt with thinking on (the tiny checkpoint's ChatML opens none, so its replies are content)."""
+    return ChatFormat(tool_parser=tool_parser("qwen3_coder"), think_start="<think>", think_end="</think>")
 
 
 # ---------------------------------------------------------------- refusals

@@ -29,7 +29,7 @@ def variant(**overrides):
     import tensorfold_example.plugin as base
 
     namespace = {}
-    for name in REQUIRED_HOOKS:
+    for name in REQUIRED_HOOKS + hookspecs.OPTIONAL:
         if name in overrides:
             namespace[name] = staticmethod(hookimpl(overrides[name]))
         else:
@@ -111,6 +111,36 @@ def test_hook_family_refusals(example, tiny_dir):
         family.refusals(config, Settings())
 
 
+def test_hook_family_chat_format(example, tiny_dir):
+    from tensorfold.chat.api import ChatFormat
+    from tensorfold.chat.tools import tool_parser
+
+    config = Checkpoint(tiny_dir).config
+    found = example.chat_format(config)
+    assert (found.tool_parser.name, found.think_start, found.think_end) == ("hermes", None, None)
+    hermes = tool_parser("hermes")
+    for answer, said in [
+            ({"tool_parser": "hermes"}, r"must return a ChatFormat, got dict"),
+            (ChatFormat(tool_parser="hermes"), r"tool_parser str lacks name, parse\(text, tools\) or stream"),
+            (ChatFormat(hermes, think_start="<think>"), r"think_start and think_end must both be set"),
+            (ChatFormat(hermes, "<think>", " "), r"think markers must be non-blank strings"),
+            (ChatFormat(hermes, "<t>", "<t>"), r"think_start and think_end must differ")]:
+        family = bound(family_chat_format=lambda config, answer=answer: answer)
+        with pytest.raises(PluginError, match=r"family 'broken' \(plugin .*test_hooks\): family_chat_format.*" + said):
+            family.chat_format(config)
+
+
+def test_a_family_without_chat_format_gets_hermes_without_markers(tiny_dir):
+    from tensorfold.family import DEFAULT_CHAT_FORMAT
+
+    plugin = variant()
+    delattr(type(plugin), "family_chat_format")
+    family = register_families({"plain": plugin})["plain"]
+    assert family.chat_format(Checkpoint(tiny_dir).config) is DEFAULT_CHAT_FORMAT
+    assert DEFAULT_CHAT_FORMAT.tool_parser.name == "hermes" and DEFAULT_CHAT_FORMAT.think_start is None
+    assert bound(family_chat_format=lambda config: None).chat_format({}) is DEFAULT_CHAT_FORMAT
+
+
 def test_a_hook_that_raises_is_reported_with_the_plugin(tiny_dir):
     def explode(config, dtype):
         raise KeyError("hidden_size")
@@ -171,7 +201,8 @@ def test_every_hook_is_documented(hook):
 
 
 def test_required_hooks_are_the_specs():
-    assert sorted(REQUIRED_HOOKS) == SPECS
+    assert sorted(REQUIRED_HOOKS + hookspecs.OPTIONAL) == SPECS
+    assert not set(REQUIRED_HOOKS) & set(hookspecs.OPTIONAL)
 
 
 def test_families_json_lists_every_declaration(tmp_path):
@@ -184,3 +215,4 @@ def test_families_json_lists_every_declaration(tmp_path):
     entry = next(e for e in json.loads(result.output) if e["name"] == "example")
     assert entry["model_types"] == ["qwen3"] and entry["request_starts_switch"] == "TF_EXAMPLE_REQUEST_STARTS"
     assert entry["layout"]["bytes_per_token"] > 0 and entry["image"]["name"] and entry["identity"]
+    assert entry["chat_format"] == {"tool_parser": "hermes", "think_start": None, "think_end": None}

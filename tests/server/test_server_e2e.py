@@ -189,8 +189,8 @@ def test_stop_token_ids_end_the_reply_at_that_token(client, model, server):
     choice = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
                                        extra_body={**body, "stop_token_ids": [ids[at]]}).choices[0]
     assert choice.finish_reason == "stop" and choice.model_extra["token_ids"] == ids[: at + 1]
-    with pytest.raises(openai.BadRequestError, match="'guided_json' is not supported"):
-        client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"guided_json": {}})
+    with pytest.raises(openai.BadRequestError, match="'bad_words' is not supported"):
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"bad_words": ["x"]})
 
 
 def test_logit_bias_and_min_tokens_through_the_client(client, model, server):

@@ -19,8 +19,8 @@ def refused(call, **kwargs) -> openai.BadRequestError:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("top_k", -5),
-    ("min_p", 2), ("seed", "x"), ("stop", 3), ("logprobs", True),
+    ("n", 17), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0), ("top_k", -5),
+    ("min_p", 2), ("seed", "x"), ("stop", 3), ("logprobs", "yes"),
 ])
 def test_bad_fields(client, model, field, value):
     error = refused(client.chat.completions.create, model=model, messages=HI, extra_body={field: value})

@@ -3,8 +3,10 @@ ids still on the device, and only then reads N's ids back (SGLang's overlap sche
 the device never waits for the host between decode steps.
 
     when        step N is pure decode through a model with `forward_ahead` (engine/graphs.py), nothing waits for a
-                free slot, and some stream of N may go on past it; otherwise N is read back first and the next step
-                is planned as usual (admission, prefill chunks)
+                free slot, some stream of N may go on past it, and none of those has a grammar (its next mask needs
+                N's token, read back and taken by its matcher: engine/grammar.py), a penalty (its next logits
+                count N's token) or logprobs (read with the ids); otherwise N is read back first
+                and the next step is planned as usual (admission, prefill chunks)
     who         the streams of N that may go on: not ended, not cancelled, and not ending by length at N
                 (max_tokens or the context: known without N's token); a stream that samples a stop token at N,
                 or fails at N, still has a row in N+1, which is dropped unread: never emitted, never counted
@@ -63,7 +65,8 @@ def is_decode(plan: StepPlan) -> bool:
 
 def ahead_of(step: InFlight, context: int) -> tuple[StepPlan, list[Stream]] | None:
     """The decode step after `step` for its streams that may go on, each share's token the index of its row in
-    `step.tokens` (graphs.DecodeRunner.forward_ahead reads it so); None when none may."""
+    `step.tokens` (graphs.DecodeRunner.forward_ahead reads it so); None when none may, or when one of them has a
+    grammar, a penalty or logprobs: `needs_its_token`."""
     shares: list[StreamStep] = []
     streams: list[Stream] = []
     for row, (stream, share) in enumerate(zip(step.streams, step.plan.streams, strict=True)):
@@ -71,6 +74,15 @@ def ahead_of(step: InFlight, context: int) -> tuple[StepPlan, list[Stream]] | No
             continue
         if stream.produced + 1 >= stream.request.sampling.max_tokens or share.end + 1 >= context:
             continue  # it ends by length at `step`, whatever it samples
+        if needs_its_token(stream):
+            return None
         shares.append(StreamStep(share.slot, share.end, (row,), sample=True))
         streams.append(stream)
     return (StepPlan(tuple(shares)), streams) if shares else None
+
+
+def needs_its_token(stream: Stream) -> bool:
+    """Whether the stream's next step needs this step's token on the host first: a grammar's mask, a penalty's
+    counts; or whether its logprobs are read with the ids."""
+    row = stream.sample_row
+    return stream.request.grammar is not None or row.penalized or row.logprobs is not None

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
+
+if TYPE_CHECKING:
+    from tensorfold.engine.grammar import Matcher
 
 
 @attrs.frozen
@@ -22,13 +25,20 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each id once
     min_tokens: int = 0  # until this many tokens are out, the stop tokens cannot be sampled
+    repetition_penalty: float = 1.0  # engine/penalties.py
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # the sampled token's logprob and this many most likely ones (None: none)
 
 
 @attrs.frozen
 class TokenEvent:
-    """One sampled token."""
+    """One sampled token; with Sampling.logprobs, its log-probability under the model's raw logits and the
+    most likely tokens' (id, logprob), best first."""
 
     token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen
@@ -84,7 +94,13 @@ class Request:
     per step and the sink calls `on_event` where it lives (the server's: on its event loop). `starts` are the
     prompt positions where requests (chat messages) start: prefill also cuts there (cuts.py); empty, the
     grid alone. `marks` say where states worth resuming at lie. `partition` names the kept states it may resume
-    from and those it keeps: only states kept under the same partition (server/isolation.py)."""
+    from and those it keeps: only states kept under the same partition (server/isolation.py). `grammar`, when
+    set, is the request's own matcher (engine/grammar.py): each token is drawn among those it allows, and the
+    request ends with `stop` once it is complete; the engine thread alone uses it. `forks` are the other choices of
+    one prompt (the API's `n`): requests with the same prompt, each with its own id, sampling, events and grammar,
+    submitted only through this one. The prompt is prefilled once: they are admitted with it (all or none), and when
+    its prefill ends each gets a copy of its state and draws its own first token from the same logits row
+    (engine/forks.py); ended before that point, it ends them the same way."""
 
     id: str
     prompt: tuple[int, ...] = attrs.field(converter=tuple)
@@ -95,6 +111,8 @@ class Request:
     marks: KeepMarks = attrs.field(factory=KeepMarks, kw_only=True)
     partition: str = attrs.field(default="", kw_only=True)  # kept states' namespace: "" shared, else its own
     sink: EventSink | None = attrs.field(default=None, kw_only=True, repr=False)
+    grammar: Matcher | None = attrs.field(default=None, kw_only=True, repr=False)
+    forks: tuple[Request, ...] = attrs.field(default=(), converter=tuple, kw_only=True, repr=False)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request at its next step (client gone, stop string seen)."""

@@ -27,6 +27,7 @@ import torch
 from tensorfold.engine.ahead import InFlight
 from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request
 from tensorfold.engine.failures import LoopStopped, death_reason, device_lost, failed_request, named
+from tensorfold.engine.forks import fork_event
 from tensorfold.engine.outbox import Outbox
 from tensorfold.engine.sampler import NonFiniteLogits, Sampler
 from tensorfold.engine.scheduler import Scheduler
@@ -130,7 +131,9 @@ class Engine(StepPath):
             if self._queued >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._queued += 1
-            self.stats.arrived(request.id, time.monotonic())
+            now = time.monotonic()
+            for one in (request, *request.forks):  # each fork counts as a request of its own
+                self.stats.arrived(one.id, now)
             self._inbox.put(request)
 
     def _run(self) -> None:
@@ -193,8 +196,8 @@ class Engine(StepPath):
                 return
             if not item.prompt or len(item.prompt) >= self.context:
                 self._dequeued()
-                self._tell(item, ErrorEvent(f"prompt of {len(item.prompt)} tokens does not fit the context of "
-                                            f"{self.context}"))
+                self._tell_all(item, ErrorEvent(f"prompt of {len(item.prompt)} tokens does not fit the context of "
+                                                f"{self.context}"))
                 continue
             self.scheduler.waiting.append(item)
 
@@ -226,10 +229,11 @@ class Engine(StepPath):
             failed, self.scheduler.failed = self.scheduler.failed, []
             for request, err in failed:
                 self._suspect = f"{request.id}: {named(err)}"
-                self._tell(request, ErrorEvent(failed_request(err)))
+                self._tell_all(request, ErrorEvent(failed_request(err)))
         now = time.monotonic()
         for stream in admitted:
-            self.stats.admitted(stream.request.id, now, stream.prompt_len, stream.cached)
+            for one in (stream, *stream.forks):
+                self.stats.admitted(one.request.id, now, stream.prompt_len, stream.cached)
         lost = next((err for _, err in failed if device_lost(err)), None)
         if lost is not None:
             raise lost
@@ -265,7 +269,7 @@ class Engine(StepPath):
         for request in [r for r in self.scheduler.waiting if r.cancelled.is_set()]:
             self.scheduler.waiting.remove(request)
             self._dequeued()
-            self._tell(request, DoneEvent("cancelled", len(request.prompt), 0, 0))
+            self._tell_all(request, DoneEvent("cancelled", len(request.prompt), 0, 0))
 
     def _end(self, stream: Stream, reason: str) -> None:
         self._finish(stream, DoneEvent(reason, stream.prompt_len, stream.produced, stream.cached))
@@ -274,10 +278,12 @@ class Engine(StepPath):
         self._finish(stream, ErrorEvent(message))
 
     def _finish(self, stream: Stream, event: Event) -> None:
-        """Take a stream out, return its slot and pages and send its last event: once, whatever raises."""
+        """Take a stream out, return its slot and pages and send its last event: once, whatever raises; forks not
+        started yet end with it, the same way (engine/forks.py)."""
         if stream.ended:
             return
         stream.ended = True
+        forks, stream.forks = stream.forks, []
         try:
             self.scheduler.finish(stream)
         except Exception as err:  # its memory may be half returned: the idle integrity check decides
@@ -286,6 +292,13 @@ class Engine(StepPath):
             if stream in self.scheduler.running:
                 self.scheduler.running.remove(stream)
         self._tell(stream.request, event)
+        for fork in forks:
+            self._finish(fork, fork_event(event, fork))
+
+    def _tell_all(self, request: Request, event: Event) -> None:
+        """The last event of a request that never ran, and the same for each of its forks."""
+        for one in (request, *request.forks):
+            self._tell(one, event)
 
     def _tell(self, request: Request, event: Event) -> None:
         """A request's last event; a handler that raises is logged (it is the receiver's fault, not a step's)."""
@@ -309,14 +322,14 @@ class Engine(StepPath):
             for stream in list(self.scheduler.running):
                 self._finish(stream, event)
             while self.scheduler.waiting:
-                self._tell(self.scheduler.waiting.popleft(), event)
+                self._tell_all(self.scheduler.waiting.popleft(), event)
             while True:
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     return
                 if item is not None:
-                    self._tell(item, event)
+                    self._tell_all(item, event)
 
     def snapshot(self) -> dict[str, object]:
         """Streams and memory now, for /memory (read from another thread: numbers may be a step old); `failure`

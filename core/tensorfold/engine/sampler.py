@@ -12,7 +12,9 @@
                least min_p (at most 1) times the top probability; a temperature so small that x overflows sends
                the other tokens to -inf (the same limit), one so large makes x all but 0
     adjusted   before anything else, a request's logit_bias is added to its row and, while its token number is
-               below min_tokens, its stop tokens are set to -inf (vLLM's order); rows with neither are not copied
+               below min_tokens, its stop tokens are set to -inf (vLLM's order), then the tokens its grammar does
+               not allow are set to -inf (`Allowed`, engine/grammar.py); with none of these in a step, nothing is
+               copied, and only the rows with a grammar are unpacked and masked
     refused    logits holding NaN or +inf, or all -inf (a masked row), come back as -1: the engine fails that
                request alone (`refused` says why); -inf for some tokens is a mask and is sampled around
 Every operation is per row: elementwise, or a reduction along V that each row does alone (argmax, sort, cumsum,
@@ -32,12 +34,29 @@ import torch
 
 from tensorfold.engine import noise
 from tensorfold.engine.api import Sampling
+from tensorfold.engine.grammar import mask_words
+from tensorfold.engine.penalties import Penalties, penalize
 
 TOP_K_OFF_ABOVE = 1 << 31  # a top_k this large keeps every token of any vocabulary
 
 
 class NonFiniteLogits(ValueError):
     """The model's logits for one stream cannot be sampled from; the message says what they hold."""
+
+
+@attrs.frozen
+class Allowed:
+    """The sampled rows of a step that a grammar constrains: their index among the rows, and their allowed-token
+    bitmasks, filled on the host (pinned for a CUDA step, so their copy does not wait for the device's queue)."""
+
+    index: tuple[int, ...]
+    bits: torch.Tensor  # int32 [len(index), mask_words(V)]
+
+    @classmethod
+    def empty(cls, index: Sequence[int], vocab: int, device: torch.device) -> Allowed:
+        """Rows to fill, one per index, for logits of `vocab` tokens on `device`."""
+        bits = torch.zeros((len(index), mask_words(vocab)), dtype=torch.int32, pin_memory=device.type == "cuda")
+        return cls(tuple(index), bits)
 
 
 @attrs.frozen
@@ -52,6 +71,8 @@ class SampleRow:
     bias: tuple[tuple[int, float], ...] = ()  # logit_bias: (token id, added), each id once
     min_tokens: int = 0
     stops: tuple[int, ...] = ()  # the stop tokens min_tokens holds back
+    penalties: tuple[float, float, float] = (1.0, 0.0, 0.0)  # repetition, frequency, presence (penalties.py)
+    logprobs: int | None = None  # top logprobs to return with each token (None: no logprobs)
 
     @classmethod
     def of(cls, sampling: Sampling, unseeded: random.Random | None = None) -> SampleRow:
@@ -67,13 +88,20 @@ class SampleRow:
                    log_min_p=math.log(min_p) if min_p > 0 else -math.inf,
                    top_k=min(max(sampling.top_k, 0), TOP_K_OFF_ABOVE), root=noise.root(seed),
                    bias=tuple(sampling.logit_bias), min_tokens=max(sampling.min_tokens, 0),
-                   stops=tuple(sampling.stop_token_ids))
+                   stops=tuple(sampling.stop_token_ids),
+                   penalties=(sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty),
+                   logprobs=sampling.logprobs)
 
     def adjustments(self, counter: int) -> list[tuple[int, float, bool]]:
         """(token, value, added) for this row at token number `counter`: its bias (added), then its stop tokens
         set to -inf (not added) while counter < min_tokens."""
         held = [(token, -math.inf, False) for token in self.stops] if counter < self.min_tokens else []
         return [(token, value, True) for token, value in self.bias] + held
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on: its token depends on the output so far."""
+        return self.penalties != (1.0, 0.0, 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -97,16 +125,19 @@ class Sampler:
     def __init__(self) -> None:
         self._positions: dict[tuple[torch.device, int], torch.Tensor] = {}
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> list[int]:
-        """Token ids for logits [B, V], row i drawn with rows[i] as its token number counters[i]; -1 for a row
-        whose logits hold NaN or +inf, or only -inf. One device->host copy (and one small host->device copy of the
-        sampled rows' parameters when any row samples)."""
-        return self.draw(logits, rows, counters).tolist()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int],
+               allowed: Allowed | None = None, penalties: Penalties | None = None) -> list[int]:
+        """Token ids for logits [B, V], row i drawn with rows[i] as its token number counters[i] and, for the rows
+        `allowed` names, among the tokens its mask allows; -1 for a row whose logits hold NaN or +inf, or only -inf
+        once adjusted. One device->host copy (and small host->device copies of the sampled rows' parameters when
+        any row samples, and of the masks when any row has one)."""
+        return self.draw(logits, rows, counters, allowed, penalties).tolist()
 
-    def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int],
+             allowed: Allowed | None = None, penalties: Penalties | None = None) -> torch.Tensor:
         """`sample`'s ids left on the logits' device, int64 [B]: nothing waits for the device, so the step loop
         can prepare the next step while this one runs (engine/ahead.py)."""
-        logits = adjusted(logits, rows, counters)
+        logits = adjusted(logits, rows, counters, allowed, penalties)
         best = logits.argmax(dim=-1)
         top = logits.gather(1, best[:, None]).squeeze(1)
         drawn = [i for i, row in enumerate(rows) if not row.greedy]
@@ -144,24 +175,40 @@ class Sampler:
         return at
 
 
-def adjusted(logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int]) -> torch.Tensor:
-    """The logits with each row's logit_bias added and its held-back stop tokens at -inf: a copy, made only when
-    some row has either (one small host->device copy of the entries, split on the host: no device sync)."""
+def adjusted(logits: torch.Tensor, rows: Sequence[SampleRow], counters: Sequence[int],
+             allowed: Allowed | None = None, penalties: Penalties | None = None) -> torch.Tensor:
+    """The logits with each row's logit_bias added, its held-back stop tokens at -inf and, for the rows `allowed`
+    names, the tokens its grammar does not allow at -inf: a copy, made only when some row has any of these (small
+    host->device copies of the entries and masks, split on the host: no device sync)."""
     entries = [(i, *entry) for i, (row, counter) in enumerate(zip(rows, counters, strict=True))
                for entry in row.adjustments(counter)]
-    if not entries:
+    if not entries and allowed is None and penalties is None:
         return logits
-    entries.sort(key=lambda entry: not entry[3])           # the added ones first
-    split = sum(1 for entry in entries if entry[3])
-    pinned = logits.device.type == "cuda"
-    index = torch.tensor([(i, token) for i, token, _, _ in entries], dtype=torch.int64,
-                         pin_memory=pinned).to(logits.device, non_blocking=pinned)
-    values = torch.tensor([value for _, _, value, _ in entries], dtype=logits.dtype,
-                          pin_memory=pinned).to(logits.device, non_blocking=pinned)
     out = logits.clone()
-    out.index_put_((index[:split, 0], index[:split, 1]), values[:split], accumulate=True)
-    out.index_put_((index[split:, 0], index[split:, 1]), values[split:])
+    pinned = logits.device.type == "cuda"
+    if entries:
+        entries.sort(key=lambda entry: not entry[3])           # the added ones first
+        split = sum(1 for entry in entries if entry[3])
+        index = torch.tensor([(i, token) for i, token, _, _ in entries], dtype=torch.int64,
+                             pin_memory=pinned).to(logits.device, non_blocking=pinned)
+        values = torch.tensor([value for _, _, value, _ in entries], dtype=logits.dtype,
+                              pin_memory=pinned).to(logits.device, non_blocking=pinned)
+        out.index_put_((index[:split, 0], index[:split, 1]), values[:split], accumulate=True)
+        out.index_put_((index[split:, 0], index[split:, 1]), values[split:])
+    if penalties is not None:
+        penalize(out, penalties)
+    if allowed is not None:
+        rows_at = torch.tensor(allowed.index, dtype=torch.int64, pin_memory=pinned).to(logits.device,
+                                                                                       non_blocking=pinned)
+        keep = unpacked(allowed.bits.to(logits.device, non_blocking=pinned), logits.shape[1])
+        out.index_copy_(0, rows_at, torch.where(keep, out.index_select(0, rows_at), -math.inf))
     return out
+
+
+def unpacked(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Allowed-token bitmasks int32 [R, mask_words(vocab)] as booleans [R, vocab], on their device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab].bool()
 
 
 def scaled(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -199,10 +246,13 @@ def _cut(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor, top
     return torch.maximum(kth.squeeze(1), edge)
 
 
-def probabilities(logits: torch.Tensor, row: SampleRow, counter: int = 0) -> torch.Tensor:
-    """The distribution one row of logits [V] is drawn from at token number `counter`, float64 [V] (the pass never
-    forms it; tests read the rule here). Greedy: all on the argmax."""
-    logits = adjusted(logits[None], [row], [counter])[0]
+def probabilities(logits: torch.Tensor, row: SampleRow, counter: int = 0,
+                  bits: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution one row of logits [V] is drawn from at token number `counter`, among the tokens the
+    bitmask `bits` [mask_words(V)] allows if given, float64 [V] (the pass never forms it; tests read the rule
+    here). Greedy: all on the argmax."""
+    allowed = None if bits is None else Allowed((0,), bits[None])
+    logits = adjusted(logits[None], [row], [counter], allowed)[0]
     if row.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
     rows = logits[None]
@@ -211,9 +261,13 @@ def probabilities(logits: torch.Tensor, row: SampleRow, counter: int = 0) -> tor
     return torch.softmax(filtered(rows, top, params, row.sorts), dim=-1)[0]
 
 
-def refused(logits: torch.Tensor) -> NonFiniteLogits:
-    """Why a row the pass gave -1 cannot be sampled, as the error that fails its request (reads the row back)."""
+def refused(logits: torch.Tensor, constrained: bool = False) -> NonFiniteLogits:
+    """Why a row the pass gave -1 cannot be sampled, as the error that fails its request (reads the row back);
+    `constrained`: the row had a grammar's mask, which with finite logits is what left nothing to sample."""
     top = float(logits.max())
+    if constrained and bool(torch.isfinite(logits).all()):
+        return NonFiniteLogits("no token the grammar allows can be sampled (logit_bias or min_tokens hold back "
+                               "every one)")
     if math.isnan(top):
         what = f"NaN for {int(torch.isnan(logits).sum())} of {logits.numel()} tokens"
     elif top > 0:
@@ -229,3 +283,21 @@ def check(sampling: Sampling) -> None:
         value = getattr(sampling, name)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"sampling {name} must be a finite number of at least 0, got {value!r}")
+
+
+def logprobs_of(logits: torch.Tensor, index: Sequence[int], tokens: Sequence[int],
+                tops: Sequence[int]) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """For rows `index` of the model's raw logits [B, V]: the log-probability of each row's sampled token and its
+    `tops[k]` most likely tokens (id, logprob), best first; one device->host copy. vLLM's default (raw_logprobs):
+    before bias, penalties, masks and temperature."""
+    rows_at = torch.tensor(index, dtype=torch.int64, device=logits.device)
+    lp = logits.index_select(0, rows_at).double().log_softmax(dim=-1)
+    chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device).clamp_min(0)
+    picked = lp.gather(1, chosen[:, None]).squeeze(1)
+    k = max(tops)
+    best = lp.topk(k, dim=-1) if k > 0 else None
+    host = picked.tolist()
+    if best is None:
+        return [(value, ()) for value in host]
+    values, ids = best.values.tolist(), best.indices.tolist()
+    return [(host[r], tuple(zip(ids[r][:tops[r]], values[r][:tops[r]], strict=True))) for r in range(len(index))]

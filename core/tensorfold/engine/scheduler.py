@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from tensorfold.cuts import plan_cuts
 from tensorfold.engine.api import Request
+from tensorfold.engine.forks import release, reserve
 from tensorfold.engine.sampler import SampleRow
 from tensorfold.engine.stream import Stream
 from tensorfold.memory import StreamMemory
@@ -92,19 +93,29 @@ class Scheduler:
     def _admit_first(self, request: Request) -> Stream | None:
         """Admit `request`, the first waiting, or None when it does not fit yet; when it raises, it holds nothing."""
         reach = self.reach(request)
+        more = tuple(self.reach(fork) for fork in request.forks)  # its forks' reaches (engine/forks.py)
+        never = self.memory.never_fits(reach, more) if more else None
+        if never is not None:
+            raise ValueError(never)
         cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
         hit = self.tiers.lookup(request.prompt, cuts, request.partition) if self.tiers is not None else None
         shared = hit.state.pages if hit is not None else ()
-        if not self.memory.fits(reach, len(shared)) and self._evicting_helps(reach, len(shared)):
+        if not self.memory.fits(reach, len(shared), more) and self._evicting_helps(reach, len(shared), more):
             spare = hit.state if hit is not None else None
-            while not self.memory.fits(reach, len(shared)) and self.tiers.evict_one(spare):
+            while not self.memory.fits(reach, len(shared), more) and self.tiers.evict_one(spare):
                 pass
-        if not self.memory.fits(reach, len(shared)):
+        if not self.memory.fits(reach, len(shared), more):
             return None
         self.waiting.popleft()
         claim = self.memory.take(request.id, reach, shared)
+        forks: list[Stream] | None = []
         try:
             stream = Stream(request, claim, SampleRow.of(request.sampling, self.unseeded), cuts=cuts)
+            forks = stream.forks = reserve(self.memory, request, more, cuts, self.unseeded) if more else []
+            if forks is None:  # one did not fit after all: nothing is held, and it waits
+                self.memory.release(claim)
+                self.waiting.appendleft(request)
+                return None
             if self.tiers is not None:
                 stream.position = stream.cached = self.tiers.admitted(hit, claim, request.id)
                 marks = request.marks
@@ -113,6 +124,7 @@ class Scheduler:
                 self._log_resume(stream, hit)
         except BaseException:
             self.memory.release(claim)
+            release(self.memory, forks or [])
             raise
         self.running.append(stream)
         return stream
@@ -125,13 +137,13 @@ class Scheduler:
             log.info("%s: resumed at %s of %s from %s", stream.request.id, f"{stream.cached:,}", f"{rows:,}",
                      self.tiers.resumed_from)
 
-    def _evicting_helps(self, rows: int, shared: int) -> bool:
-        """Whether the pages kept states alone hold would let a lease of `rows` rows fit (else it waits for
-        running streams, and the kept states stay)."""
+    def _evicting_helps(self, rows: int, shared: int, forks: tuple[int, ...] = ()) -> bool:
+        """Whether the pages kept states alone hold would let a lease of `rows` rows (and its forks' leases) fit
+        (else it waits for running streams, and the kept states stay)."""
         pool = self.memory.pool
         if self.tier is None or pool is None:
             return False
-        return pool.pages_for(rows) - shared <= pool.available + pool.kept
+        return self.memory.pages_needed(rows, shared, forks) <= pool.available + pool.kept
 
     def kept(self, stream: Stream, end: int) -> None:
         """After a step that ended a prefill share at `end`: keep the stream's state there if it is a keep point."""
@@ -181,8 +193,9 @@ class Scheduler:
                 log.info("staged %d kept state(s) for disk at shutdown", staged)
 
     def finish(self, stream: Stream) -> None:
-        """Take a stream out and return everything it holds."""
-        self.running.remove(stream)
+        """Take a stream out (a fork that never started is not in `running`) and return everything it holds."""
+        if any(running is stream for running in self.running):
+            self.running.remove(stream)
         self.memory.release(stream.claim)
 
     def _decode_share(self, stream: Stream) -> StreamStep:

@@ -1,6 +1,10 @@
 """The step's hot path: the forward, the batched draw and each stream's token, for a step planned now or a decode
 step launched ahead (engine/ahead.py). The Engine (runner.py) owns the loop, admission and failures; these methods
-read its state and call back into it (`_stream_failed`, `_end`) for what is bookkeeping."""
+read its state and call back into it (`_stream_failed`, `_end`) for what is bookkeeping.
+
+A stream with a grammar (Request.grammar, engine/grammar.py) has its mask filled on the host once the forward is
+launched, drawn among the tokens it allows in the same batched pass, and its matcher advanced by the token before
+it is emitted; a matcher that raises fails that stream alone, and one that is complete ends it with `stop`."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import torch
 
 from tensorfold.engine.ahead import InFlight, ahead_of, is_decode
 from tensorfold.engine.api import TokenEvent
-from tensorfold.engine.sampler import Sampler, refused
+from tensorfold.engine.forks import first_tokens, fork_point
+from tensorfold.engine.penalties import Penalties
+from tensorfold.engine.sampler import Allowed, Sampler, logprobs_of, refused
 from tensorfold.engine.stats import EngineStats
 from tensorfold.engine.stream import Stream
 from tensorfold.family import FamilyModel
@@ -48,13 +54,22 @@ class StepPath:
         started = time.monotonic()
         logits = self.model.forward(plan, self.memory.kv)
         drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
+        drawn, logits, forked = fork_point(self, streams, plan, drawn, logits)  # engine/forks.py
+        allowed = self._allowed(drawn, logits)
+        penalties = penalties_for(drawn)
         tokens: list[int] = []
-        if drawn and self._ahead is not None and is_decode(plan):  # read back once the next step is launched
-            ids = self.sampler.draw(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
+        read_now = any(s.sample_row.logprobs is not None for s in drawn)
+        if drawn and self._ahead is not None and is_decode(plan) and not read_now:  # read back once the next
+            ids = self.sampler.draw(logits, [s.sample_row for s in drawn], [s.produced for s in drawn],  # step is
+                                    allowed, penalties)                                                # launched
             self._inflight = InFlight.launched(plan, streams, ids, logits, started)
             return
+        logprobs: list | None = None
         if drawn:
-            tokens = self.sampler.sample(logits, [s.sample_row for s in drawn], [s.produced for s in drawn])
+            tokens = self.sampler.sample(logits, [s.sample_row for s in drawn], [s.produced for s in drawn],
+                                         allowed, penalties)
+            if read_now:
+                logprobs = logprobs_for(drawn, logits, tokens)
         self._failed_steps = 0
         now = time.monotonic()
         decode_rows = sum(1 for stream in streams if not stream.prefilling)
@@ -65,21 +80,27 @@ class StepPath:
         for stream, share in zip(streams, plan.streams, strict=True):
             mine = row if share.sample else None
             row += share.sample
+            if stream.ended:  # its grammar failed before the draw
+                continue
             try:
                 stream.position = share.end
                 if share.start < stream.prompt_len:
                     self.scheduler.kept(stream, share.end)
                 if mine is not None:
-                    self._sampled(stream, tokens[mine], logits[mine], now)
+                    self._sampled(stream, tokens[mine], logits[mine], now,
+                                  logprobs[mine] if logprobs is not None else None)
             except Exception as err:
                 self._stream_failed(stream, err)
+        first_tokens(self, forked, row, tokens, logits, logprobs, now)
 
     def _step_ahead(self, step: InFlight) -> None:
-        """A decode step is in flight: launch the next one from its ids on the device (unless a request waits
-        for a free slot, or none of its streams goes on), then read it back and hand out its tokens."""
+        """A decode step is in flight: launch the next one from its ids on the device (unless the first waiting
+        request finds a slot for it and its forks, or none of its streams goes on), then read it back and hand out
+        its tokens."""
         self._inflight = None
         self._step_streams = step.streams
-        if not (self.scheduler.waiting and self.memory.slots.free > 0):
+        waiting = self.scheduler.waiting
+        if not (waiting and self.memory.slots.free > len(waiting[0].forks)):
             self._inflight = self._launch_ahead(step)
         tokens = step.ids()
         self._failed_steps = 0
@@ -113,18 +134,64 @@ class StepPath:
         ids = self.sampler.draw(logits, [s.sample_row for s in streams], [s.produced + 1 for s in streams])
         return InFlight.launched(plan, streams, ids, logits, started)
 
-    def _sampled(self, stream: Stream, token: int, logits: torch.Tensor, now: float) -> None:
-        """A stream's token from the step's batched draw (-1: its logits row cannot be sampled, which fails it)."""
+    def _allowed(self, drawn: list[Stream], logits: torch.Tensor) -> Allowed | None:
+        """The masks of the drawn streams that have a grammar, None when none has: nothing is built for a step
+        without one. A matcher that raises fails its stream here; its row is drawn unmasked and dropped."""
+        index = [i for i, stream in enumerate(drawn) if stream.request.grammar is not None]
+        if not index:
+            return None
+        allowed = Allowed.empty(index, logits.shape[1], logits.device)
+        for k, i in enumerate(index):
+            grammar = drawn[i].request.grammar
+            try:
+                if grammar is not None:
+                    grammar.allowed(allowed.bits[k])
+            except Exception as err:
+                allowed.bits[k].fill_(-1)
+                self._stream_failed(drawn[i], err)
+        return allowed
+
+    def _sampled(self, stream: Stream, token: int, logits: torch.Tensor, now: float,
+                 logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None) -> None:
+        """A stream's token from the step's batched draw (-1: its logits row cannot be sampled, which fails it),
+        taken by its grammar first (a token it refuses fails the stream, unsent)."""
+        grammar = stream.request.grammar
         if token < 0:
-            raise refused(logits)
+            raise refused(logits, constrained=grammar is not None)
+        if grammar is not None:
+            grammar.advance(token)
         self.stats.token(stream.request.id, now)
         stream.produced += 1
-        self._outbox.emit(stream.request, TokenEvent(token))
+        stream.outputs.append(token)
+        event = TokenEvent(token) if logprob is None else TokenEvent(token, logprob[0], logprob[1])
+        self._outbox.emit(stream.request, event)
         sampling = stream.request.sampling
-        if token in sampling.stop_token_ids:
+        if token in sampling.stop_token_ids or (grammar is not None and grammar.finished):
             self._end(stream, "stop")
         elif stream.produced >= sampling.max_tokens or stream.position + 1 >= self.context:
             self._end(stream, "length")
         else:
             stream.pending = token
 
+
+
+def penalties_for(drawn: list[Stream]) -> Penalties | None:
+    """The penalised drawn streams' penalties, None when none is: nothing is built for a step without one."""
+    index = [i for i, stream in enumerate(drawn) if stream.sample_row.penalized]
+    if not index:
+        return None
+    rows = [drawn[i] for i in index]
+    return Penalties.of(index, [s.sample_row.penalties for s in rows], [s.outputs for s in rows],
+                        [s.prompt_distinct() if s.sample_row.penalties[0] != 1.0 else () for s in rows])
+
+
+def logprobs_for(drawn: list[Stream], logits: torch.Tensor,
+                 tokens: list[int]) -> list[tuple[float, tuple[tuple[int, float], ...]] | None]:
+    """Each drawn stream's logprobs for its token (None for those that asked for none)."""
+    index = [i for i, stream in enumerate(drawn) if stream.sample_row.logprobs is not None]
+    found = logprobs_of(logits, index, [tokens[i] for i in index],
+                        [drawn[i].sample_row.logprobs or 0 for i in index])
+    out: list[tuple[float, tuple[tuple[int, float], ...]] | None] = [None] * len(drawn)
+    for i, value in zip(index, found, strict=True):
+        out[i] = value
+    return out

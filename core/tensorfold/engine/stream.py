@@ -15,7 +15,8 @@ class Stream:
     `cuts` where its prefill is cut (cuts.py, planned once at admission), `cached` the prompt rows it
     resumed from a kept state instead of prefilling, `sample_row` its sampling parameters and seed as the step's
     batched sampling reads them (engine/sampler.py), `keep_at` the cuts after which its state is kept, with the
-    reasons (tiers/policy.py); `ended` once the engine has released it and sent its last event (never twice)."""
+    reasons (tiers/policy.py); `ended` once the engine has released it and sent its last event (never twice);
+    `forks` the streams of its request's forks, each holding its claim, until its prefill ends (engine/forks.py)."""
 
     request: Request
     claim: Claim
@@ -27,6 +28,15 @@ class Stream:
     cached: int = 0
     keep_at: dict[int, frozenset[str]] = attrs.field(factory=dict)
     ended: bool = False
+    outputs: list[int] = attrs.field(factory=list)  # the tokens sampled so far (penalties read them)
+    _distinct: tuple[int, ...] | None = None        # the prompt's distinct tokens, once a repetition penalty asks
+    forks: list[Stream] = attrs.field(factory=list)  # not running yet: they start where its prefill ends
+
+    def prompt_distinct(self) -> tuple[int, ...]:
+        """The prompt's distinct token ids (for a repetition penalty), worked out once."""
+        if self._distinct is None:
+            self._distinct = tuple(sorted(set(self.request.prompt)))
+        return self._distinct
 
     @property
     def prompt_len(self) -> int:

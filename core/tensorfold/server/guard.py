@@ -1,5 +1,6 @@
 """The front door as one pure ASGI middleware: every request passes the Host check, then the key check, then the
-content type and size checks of its body, before any route sees it; refusals are OpenAI's error envelope.
+content type and size checks of its body, before any route sees it; refusals are OpenAI's error envelope
+(Anthropic's on its /v1/messages routes).
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware, which runs the app in a separate task and buffers nothing
 well: SSE streams and disconnect checks pass through this one untouched.
@@ -12,6 +13,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tensorfold.server.access import host_allowed, json_content_type, matching_key, presented_keys
+from tensorfold.server.anthropic import refusal as anthropic_refusal
 from tensorfold.server.bodies import BodyReader, too_large
 from tensorfold.server.door import FrontDoor, key_digest
 from tensorfold.server.errors import INVALID, ApiError
@@ -49,7 +51,7 @@ class Guard:
             self.check_key(scope, headers)
             self.check_body(scope, headers)
         except ApiError as refusal:
-            await refusal.response()(scope, receive, send)
+            await anthropic_refusal(scope["path"], refusal)(scope, receive, send)
             return
         reader = BodyReader(receive, self.door.request_bytes, started + self.door.body_timeout_s,
                             self.door.body_timeout_s)

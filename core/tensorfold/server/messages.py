@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from tensorfold.server.fields import json_type
 IMAGE_PARTS = {"image_url", "input_image", "image"}
 AUDIO_PARTS = {"input_audio", "audio"}
 TEXT_PARTS = {"text", "input_text"}
-RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "template"}
 
 
 def read_messages(body: Mapping[str, Any], name: str = "messages") -> list[dict[str, Any]]:
@@ -77,7 +78,8 @@ def read_template_kwargs(body: Mapping[str, Any], name: str = "chat_template_kwa
         raise bad_request(f"'{name}' must be an object, not {json_type(value)}", name)
     clash = sorted(RESERVED_TEMPLATE_KWARGS & value.keys())
     if clash:
-        raise bad_request(f"'{name}' may not set {', '.join(clash)}: the server sets them", name)
+        raise bad_request(f"'{name}' may not set {', '.join(clash)}: the server sets them (from 'tools' and "
+                          "'chat_template')", name)
     return dict(value)
 
 
@@ -107,3 +109,55 @@ def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation
     except Exception as err:  # a template that trips over unexpected input (None + str, ...)
         raise bad_request(f"the chat template failed on these messages: {type(err).__name__}: {err}",
                           "messages") from err
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def for_template(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: known roles only (400 otherwise), `developer` as `system` where the
+    template has no such role, null content as "", and assistant tool calls' string `arguments` (OpenAI's wire
+    format) parsed into objects, which templates iterate."""
+    developer = template is not None and "developer" in template
+    out = []
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in ROLES:
+            raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}; got {role!r}",
+                              f"messages[{i}].role")
+        fixed = {**message, "content": message["content"] if message["content"] is not None else ""}
+        if role == "developer" and not developer:
+            fixed["role"] = "system"
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad_request(f"'messages[{i}].tool_calls' is only for assistant messages",
+                                  f"messages[{i}].tool_calls")
+            fixed["tool_calls"] = read_tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(fixed)
+    return out
+
+
+def read_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool_calls, each {"id", "type": "function", "function": {"name", "arguments"}} with its
+    arguments as an object (a JSON string is parsed; one that is not JSON is a 400)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be an array of tool calls, not {json_type(calls)}", where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"'{at}' must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                              f"\"arguments\": ...}}}}", at)
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as err:
+                raise bad_request(f"'{at}.function.arguments' is not valid JSON: {err}",
+                                  f"{at}.function.arguments") from err
+        if not isinstance(arguments, dict):
+            raise bad_request(f"'{at}.function.arguments' must be a JSON object (or its text), not "
+                              f"{json_type(arguments)}", f"{at}.function.arguments")
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return out

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from tensorfold.engine.api import KeepMarks, Sampling
+from tensorfold.engine.grammar import GrammarSpec
 from tensorfold.server.errors import bad_request, model_not_found
 from tensorfold.server.fields import (
     SEED_MAX,
@@ -22,36 +23,27 @@ from tensorfold.server.fields import (
     read_str,
     read_token_ids,
 )
-from tensorfold.server.messages import continued, read_messages, read_template_kwargs, render
+from tensorfold.server.messages import continued, for_template, read_messages, read_template_kwargs, render
 from tensorfold.server.prompts import chat_ids
 from tensorfold.server.starts import keep_marks, start_positions, starts_of
+from tensorfold.server.structured import read_grammar
+from tensorfold.server.tooling import NONE, ToolChoice, read_tool_choice, read_tools
 from tensorfold.service import Service
 
 CONTEXT_CODE = "context_length_exceeded"
+MAX_LOGPROBS = 20       # top logprobs a token may carry (vLLM's default --max-logprobs)
+MAX_REPETITION = 10.0   # a repetition penalty past it leaves nothing a sampler can tell apart
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: temperatures under it sample greedily
+MAX_CHOICES = 16     # `n` and `best_of`: the streams one request may run (each holds a slot: server/choices.py)
 # Fields an OpenAI client may send that this server cannot honour: refused unless they hold their no-op value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is False,
-    "top_logprobs": lambda v: v == 0,
-    "tools": lambda v: v == [],
     "functions": lambda v: v == [],
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "frequency_penalty": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     # vLLM's extra fields this server does not honour yet: refused by name, never silently ignored
-    "chat_template": lambda v: False,
     "bad_words": lambda v: v == [],
     "allowed_token_ids": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
-    "structured_outputs": lambda v: False,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
     "guided_decoding_backend": lambda v: False,
     "guided_whitespace_pattern": lambda v: False,
 }
@@ -72,6 +64,12 @@ class Generate:
     starts: tuple[int, ...] = ()  # where the chat's messages start in `prompt`, with the request-starts switch
     marks: KeepMarks = KeepMarks()  # where states are worth keeping (history, system and rewind), likewise
     cache_salt: str | None = None  # kept states are shared only among requests with the same salt (and key)
+    grammar: GrammarSpec | None = None  # structured output: the reply follows it (engine/grammar.py)
+    tools: tuple[dict[str, Any], ...] = ()  # a chat's tools, for parsing calls out of the reply
+    tool_choice: ToolChoice = ToolChoice(NONE)
+    reasoning_open: bool = False  # the prompt ends inside the family's think block: the reply starts in reasoning
+    n: int = 1        # choices returned (server/choices.py)
+    best_of: int = 1  # choices generated: the n with the highest cumulative logprob are returned
 
 
 @attrs.frozen
@@ -81,12 +79,34 @@ class Tokenize:
     tokens: tuple[int, ...]
 
 
-def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Generate:
-    """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest;
-    without `specials_in_content`, special-token text in message content is encoded as text (server/prompts.py)."""
-    model = check_common(body, service)
-    messages = read_messages(body)
+@attrs.frozen
+class ChatPrompt:
+    """A chat body rendered: the messages as the template saw them, its variables, the text and its ids."""
+
+    messages: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+    add: bool
+    text: str
+    ids: list[int]
+    tools: list[dict[str, Any]]
+    choice: ToolChoice
+
+
+def chat_prompt(body: Mapping[str, Any], service: Service, specials_in_content: bool) -> ChatPrompt:
+    """Render a chat body: messages for the template, tools, chat_template_kwargs, a request's own chat_template,
+    add_generation_prompt and continue_final_message."""
+    messages = for_template(read_messages(body), service.tokenizer.template_source)
     kwargs = read_template_kwargs(body)
+    tools = read_tools(body)
+    choice = read_tool_choice(body, tools)
+    if tools:
+        kwargs["tools"] = tools
+    source = read_str(body, "chat_template")
+    if source is not None:
+        try:
+            kwargs["template"] = service.tokenizer.compile(source)
+        except ValueError as err:
+            raise bad_request(str(err), "chat_template") from err
     add = read_bool(body, "add_generation_prompt", default=True)
     text = render(service.tokenizer, messages, add_generation_prompt=add, kwargs=kwargs)
     if read_bool(body, "continue_final_message"):
@@ -94,31 +114,43 @@ def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: b
             raise bad_request("'continue_final_message' needs 'add_generation_prompt': false (the reply continues "
                               "the final message instead of opening a new one)", "continue_final_message")
         text = continued(text, messages)
-    prompt = chat_ids(service.tokenizer, messages, text, add, kwargs, specials_in_content)
-    if not prompt:
+    ids = chat_ids(service.tokenizer, messages, text, add, kwargs, specials_in_content)
+    return ChatPrompt(messages, kwargs, add, text, ids, tools, choice)
+
+
+def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Generate:
+    """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest;
+    without `specials_in_content`, special-token text in message content is encoded as text (server/prompts.py)."""
+    model = check_common(body, service)
+    chat = chat_prompt(body, service, specials_in_content)
+    if not chat.ids:
         raise bad_request("the messages render to an empty prompt", "messages")
-    params = generate(body, service, prompt, "messages", model)
-    if not service.request_starts or not add:  # starts are proven on a prompt that ends with the generation prompt
+    grammar = read_grammar(body, chat.tools, chat.choice, service.grammars)
+    params = attrs.evolve(generate(body, service, chat.ids, "messages", model, grammar, chat=True),
+                          tools=tuple(chat.tools),
+                          tool_choice=chat.choice, reasoning_open=reasoning_open(service, chat.text))
+    if not service.request_starts or not chat.add:  # starts are proven on a prompt ending with the generation prompt
         return params
-    positions = start_positions(service.tokenizer, messages, prompt, kwargs, text, specials_in_content)
-    return attrs.evolve(params, starts=starts_of(positions), marks=keep_marks(messages, positions))
+    positions = start_positions(service.tokenizer, chat.messages, chat.ids, chat.kwargs, chat.text,
+                                specials_in_content)
+    return attrs.evolve(params, starts=starts_of(positions), marks=keep_marks(chat.messages, positions))
 
 
 def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:
     """POST /v1/completions: one prompt, as text or as token ids."""
     model = check_common(body, service)
+    for field in ("tools", "tool_choice"):
+        if body.get(field) is not None:
+            raise bad_request(f"'{field}' is for /v1/chat/completions, not /v1/completions", field)
     prompt = read_prompt(body, service)
-    return generate(body, service, prompt, "prompt", model)
+    return generate(body, service, prompt, "prompt", model, read_grammar(body, [], ToolChoice(NONE),
+                                                                          service.grammars))
 
 
 def parse_tokenize(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Tokenize:
     """POST /tokenize: a `prompt` string, or `messages` rendered by the template (encoded as chat requests are)."""
     if body.get("messages") is not None:
-        messages = read_messages(body)
-        kwargs = read_template_kwargs(body)
-        add = read_bool(body, "add_generation_prompt", default=True)
-        text = render(service.tokenizer, messages, add_generation_prompt=add, kwargs=kwargs)
-        return Tokenize(tuple(chat_ids(service.tokenizer, messages, text, add, kwargs, specials_in_content)))
+        return Tokenize(tuple(chat_prompt(body, service, specials_in_content).ids))
     text = read_str(body, "prompt")
     if text is None:
         raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
@@ -133,14 +165,11 @@ def parse_detokenize(body: Mapping[str, Any], service: Service) -> list[int]:
 
 
 def check_common(body: Mapping[str, Any], service: Service) -> str:
-    """Fields either endpoint refuses: a model not served (404), n other than 1, and features this server does not
-    have. Returns the model name the answer carries: the one asked for, else the first served."""
+    """Fields either endpoint refuses: a model not served (404), and features this server does not have. Returns
+    the model name the answer carries: the one asked for, else the first served."""
     model = read_str(body, "model")
     if model is not None and model not in service.names:
         raise model_not_found(model, service.names)
-    n = read_int(body, "n")
-    if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1: this server returns one choice per request, got {n}", "n")
     for name, is_noop in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and not is_noop(value):
@@ -170,18 +199,50 @@ def read_prompt(body: Mapping[str, Any], service: Service) -> list[int]:
 
 
 def generate(body: Mapping[str, Any], service: Service, prompt: list[int], prompt_param: str,
-             model: str | None = None) -> Generate:
+             model: str | None = None, grammar: GrammarSpec | None = None, chat: bool = False) -> Generate:
     """Sampling, stop strings and stream options, with the context rule applied to this prompt."""
     stream = read_bool(body, "stream")
     options = read_object(body, "stream_options")
     if options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = read_bool(options, "include_usage") if options else False
-    return Generate(model=model or service.model_name, prompt=tuple(prompt),
-                    sampling=read_sampling(body, service, len(prompt), prompt_param), stop=read_stop(body),
+    n, best_of = read_choices(body, service, stream, chat)
+    return Generate(n=n, best_of=best_of, model=model or service.model_name, prompt=tuple(prompt),
+                    sampling=attrs.evolve(read_sampling(body, service, len(prompt), prompt_param),
+                                          logprobs=read_logprobs(body, chat)), stop=read_stop(body),
                     stream=stream, include_usage=include_usage,
                     return_token_ids=read_bool(body, "return_token_ids"), cache_salt=read_salt(body),
-                    include_stop=read_bool(body, "include_stop_str_in_output"))
+                    include_stop=read_bool(body, "include_stop_str_in_output"), grammar=grammar)
+
+
+def read_choices(body: Mapping[str, Any], service: Service, stream: bool, chat: bool) -> tuple[int, int]:
+    """`n` and `best_of` (best_of defaults to n): each choice is a stream of its own, so together they may hold no
+    more than the engine's slots (--parallel); best_of, as OpenAI has it, only on /v1/completions and not streamed."""
+    n = read_int(body, "n", low=1, high=MAX_CHOICES)
+    n = 1 if n is None else n
+    best_of = read_int(body, "best_of", low=1, high=MAX_CHOICES)
+    if best_of is not None and best_of > 1 and (chat or stream):
+        where = "/v1/chat/completions" if chat else "a streamed request"
+        raise bad_request(f"'best_of' is not allowed on {where}: it is for /v1/completions, not streamed", "best_of")
+    if best_of is not None and best_of < n:
+        raise bad_request(f"'best_of' must be at least 'n' ({n}), got {best_of}", "best_of")
+    best_of = n if best_of is None else best_of
+    slots = service.plan.get("parallel")
+    if isinstance(slots, int) and best_of > slots:
+        name = "best_of" if best_of > n else "n"
+        raise bad_request(f"'{name}' of {best_of} is more than this server runs at once (--parallel {slots})", name)
+    return n, best_of
+
+
+def reasoning_open(service: Service, text: str) -> bool:
+    """Whether the rendered prompt leaves the reply inside the family's think block (a thinking template opens it
+    in the generation prompt)."""
+    format = service.chat_format
+    if format is None or format.think_start is None:
+        return False
+    tail = text.rstrip()
+    return tail.endswith(format.think_start) or (
+        format.think_end is not None and tail.rfind(format.think_start) > tail.rfind(format.think_end))
 
 
 def read_salt(body: Mapping[str, Any]) -> str | None:
@@ -225,7 +286,26 @@ def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int,
         stop_token_ids=tuple(dict.fromkeys((*eos, *asked_stops))),  # ignore_eos drops the EOS ids, not these
         logit_bias=read_logit_bias(body, service.tokenizer.vocab_size),
         min_tokens=min_tokens or 0,
+        repetition_penalty=read_float(body, "repetition_penalty", low=0.0, low_open=True, high=MAX_REPETITION)
+        or defaults.repetition_penalty,
+        frequency_penalty=read_float(body, "frequency_penalty", low=-2.0, high=2.0) or 0.0,
+        presence_penalty=read_float(body, "presence_penalty", low=-2.0, high=2.0) or 0.0,
     )
+
+
+def read_logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """How many top logprobs each token carries (None: no logprobs): chat's `logprobs` (bool) and `top_logprobs`,
+    or completions' `logprobs` (an integer)."""
+    if chat:
+        wanted = read_bool(body, "logprobs")
+        top = read_int(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
+        if top is not None and not wanted:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if wanted else None
+    value = body.get("logprobs")
+    if isinstance(value, bool):
+        raise bad_request("'logprobs' on /v1/completions is an integer: how many top logprobs per token", "logprobs")
+    return read_int(body, "logprobs", low=0, high=MAX_LOGPROBS)
 
 
 def greedy_below(temperature: float) -> float:

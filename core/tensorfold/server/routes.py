@@ -14,56 +14,52 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tensorfold.server.answering import collected, stream_opens
+from tensorfold.server.anthropic import anthropic_routes
 from tensorfold.server.bodies import ParseSlots
+from tensorfold.server.choices import ChoicesStream, whole, whole_one
 from tensorfold.server.door import FrontDoor
-from tensorfold.server.errors import engine_failed, model_not_found
+from tensorfold.server.errors import model_not_found
 from tensorfold.server.fields import parse_body
-from tensorfold.server.generation import ClientGone, EngineFailed, Finish, Generation
+from tensorfold.server.generation import Choices, Generation
 from tensorfold.server.isolation import partition_of
 from tensorfold.server.metrics import metrics_endpoint
 from tensorfold.server.params import Generate, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from tensorfold.server.payloads import CHAT, TEXT, Shaper
+from tensorfold.server.replies import chat_output
 from tensorfold.server.sse import EventStream
 from tensorfold.service import Service
 
 T = TypeVar("T")
-CLIENT_CLOSED = 499  # nginx's status for "the client went away first"; nobody reads it, the log does
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 async def answer(request: Request, service: Service, params: Generate, kind: str, prefix: str) -> Response:
-    """Submit and answer: an SSE stream, or one JSON object once the engine is done."""
+    """Submit and answer: an SSE stream, or one JSON object once the engine is done; several choices (`n`,
+    `best_of`) are forks of one engine request (server/choices.py)."""
     key = getattr(request.state, "api_key_id", None) if service.isolate_by_key else None
-    generation = Generation(service, params, prefix, partition_of(params.cache_salt, key))
-    shaper = Shaper(kind, generation.id, params.model, params.return_token_ids)
+    partition = partition_of(params.cache_salt, key)
+    many = params.best_of > 1
+    generation = Choices(service, params, prefix, partition) if many else Generation(service, params, prefix,
+                                                                                      partition)
+    shaper = Shaper(kind, generation.id, params.model, params.return_token_ids,
+                    service.tokenizer.token_text if params.sampling.logprobs is not None else None)
+    output = chat_output(service, params) if kind == CHAT and not many else None
     generation.submit()
     if params.stream:
-        try:
-            await generation.first_event_ok(request.is_disconnected)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        except BaseException:
-            generation.abandon()
-            raise
-        return EventStream(generation, shaper, params.include_usage)
-    texts: list[str] = []
-    finish: Finish | None = None
-    try:
-        async for batch in generation.batches(request.is_disconnected):
-            for item in batch:
-                if isinstance(item, Finish):
-                    finish = item
-                else:
-                    texts.append(item.text)
-    except EngineFailed as err:
-        raise engine_failed(str(err)) from err
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        generation.abandon()
-    assert finish is not None
-    return JSONResponse(shaper.response("".join(texts), finish.finish_reason, finish.usage,
-                                        list(params.prompt), generation.token_ids))
+        refused = await stream_opens(generation, request)
+        if refused is not None:
+            return refused
+        if isinstance(generation, Choices):
+            return ChoicesStream(generation, shaper, service)
+        return EventStream(generation, shaper, params.include_usage, output)
+    if isinstance(generation, Choices):
+        body = await collected(generation, lambda: whole(generation, shaper, service, request.is_disconnected))
+    else:
+        body = await collected(generation, lambda: whole_one(generation, shaper, output, request.is_disconnected))
+    if isinstance(body, Response):
+        return body
+    return JSONResponse(body)
 
 
 def tokenized(body: dict[str, Any], service: Service, specials_in_content: bool) -> JSONResponse:
@@ -127,6 +123,7 @@ def routes(service: Service, door: FrontDoor | None = None) -> list[Route]:
         return JSONResponse({"prompt": text})
 
     return [
+        *anthropic_routes(service, slots, specials),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tensorfold.chat.api import ChatFormat
+from tensorfold.chat.tools import tool_parser
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
@@ -114,6 +116,15 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "rope": f"default theta={c.rope_theta!r}",
         "keys": "post k_norm, post RoPE",
     }
+
+
+# ---------------------------------------------------------------- chat replies
+
+@hookimpl
+def family_chat_format(config: Mapping[str, Any]) -> ChatFormat:
+    """Qwen3's tool calls (hermes JSON); no think markers, as the tiny checkpoint's ChatML template opens none.
+    A real Qwen3 checkpoint writes `<think>`…`</think>` itself: a copy of this family for one would declare them."""
+    return ChatFormat(tool_parser=tool_parser("hermes"))
 
 
 # ---------------------------------------------------------------- refusals

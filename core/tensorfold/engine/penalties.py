@@ -1,0 +1,58 @@
+"""Repetition, frequency and presence penalties for the rows of a step that ask for them, in the batched pass.
+
+    repetition  r: a token seen in the prompt or the output so far has its logit divided by r when positive,
+                multiplied by r otherwise (vLLM's and HF's rule; 1 is off)
+    frequency   f: minus f times the token's count in the output so far
+    presence    p: minus p for a token the output holds at least once
+Applied in that order (vLLM's), after logit_bias and min_tokens and before the grammar's mask; each row's arithmetic
+is elementwise on its own logits and counts, so a penalised row never changes a neighbour and stays batch-invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class Penalties:
+    """The penalised rows of a step: their index among the drawn rows, their three values, and the (row, token)
+    pairs of their output tokens (each occurrence) and of their prompts' distinct tokens (repetition only)."""
+
+    index: tuple[int, ...]
+    values: tuple[tuple[float, float, float], ...]  # (repetition, frequency, presence) per row
+    outputs: torch.Tensor  # int64 [N, 2]
+    prompts: torch.Tensor  # int64 [M, 2]
+
+    @classmethod
+    def of(cls, index: Sequence[int], values: Sequence[tuple[float, float, float]],
+           outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]]) -> Penalties:
+        """From each penalised row's output so far and its prompt's distinct tokens (empty without repetition)."""
+        pairs = [(k, token) for k, tokens in enumerate(outputs) for token in tokens]
+        seen = [(k, token) for k, tokens in enumerate(prompts) for token in tokens]
+        return cls(tuple(index), tuple(values), torch.tensor(pairs, dtype=torch.int64).view(-1, 2),
+                   torch.tensor(seen, dtype=torch.int64).view(-1, 2))
+
+
+def penalize(out: torch.Tensor, penalties: Penalties) -> None:
+    """Apply the penalties to their rows of `out` [B, V], in place (out is the pass's own copy)."""
+    device, pinned = out.device, out.device.type == "cuda"
+    rows_at = torch.tensor(penalties.index, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
+    values = torch.tensor(penalties.values, dtype=out.dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+    outputs = penalties.outputs.pin_memory() if pinned else penalties.outputs
+    outputs = outputs.to(device, non_blocking=pinned)
+    sub = out.index_select(0, rows_at)
+    counts = torch.zeros_like(sub)
+    counts.index_put_((outputs[:, 0], outputs[:, 1]), torch.ones(len(outputs), dtype=out.dtype, device=device),
+                      accumulate=True)
+    if bool((torch.tensor([v[0] for v in penalties.values]) != 1.0).any()):
+        prompts = penalties.prompts.pin_memory() if pinned else penalties.prompts
+        prompts = prompts.to(device, non_blocking=pinned)
+        seen = counts > 0
+        seen[prompts[:, 0], prompts[:, 1]] = True
+        repetition = values[:, 0:1]
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub = sub - values[:, 1:2] * counts - values[:, 2:3] * (counts > 0).to(out.dtype)
+    out.index_copy_(0, rows_at, sub)

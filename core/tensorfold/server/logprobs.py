@@ -1,0 +1,35 @@
+"""Per-token logprobs as OpenAI's clients read them: chat's `logprobs.content` entries, completions' four arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# one token's logprob record as the engine sends it: (token id, logprob, ((id, logprob) of the most likely, ...))
+Entry = tuple[int, float, tuple[tuple[int, float], ...]]
+TokenText = Callable[[int], str]
+
+
+def chat_logprobs(entries: Sequence[Entry], text: TokenText) -> dict[str, Any]:
+    """Chat's `choice.logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    return {"content": [_chat_entry(token, logprob, top, text) for token, logprob, top in entries]}
+
+
+def _chat_entry(token: int, logprob: float, top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, Any]:
+    piece = text(token)
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())} for t, lp in top]}
+
+
+def text_logprobs(entries: Sequence[Entry], text: TokenText, offset: int = 0) -> dict[str, Any]:
+    """Completions' `choice.logprobs`: tokens, token_logprobs, top_logprobs (a {token: logprob} map each) and
+    text_offset (each token's first character in the completion, counted from `offset`)."""
+    tokens, offsets = [], []
+    for token, _, _ in entries:
+        piece = text(token)
+        offsets.append(offset)
+        tokens.append(piece)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": [{text(t): lp for t, lp in top} for _, _, top in entries],
+            "text_offset": offsets}
