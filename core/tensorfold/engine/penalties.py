@@ -18,22 +18,22 @@ import torch
 
 @attrs.frozen
 class Penalties:
-    """The penalised rows of a step: their index among the drawn rows, their three values, and the (row, token)
-    pairs of their output tokens (each occurrence) and of their prompts' distinct tokens (repetition only)."""
+    """The penalised rows of a step: their index among the drawn rows, their three values, the (row, token) pairs
+    of their output tokens (each occurrence), and per row its prompt's distinct token ids (empty without a
+    repetition penalty; a stream keeps them on the device once, Stream.prompt_distinct)."""
 
     index: tuple[int, ...]
     values: tuple[tuple[float, float, float], ...]  # (repetition, frequency, presence) per row
     outputs: torch.Tensor  # int64 [N, 2]
-    prompts: torch.Tensor  # int64 [M, 2]
+    prompts: tuple[torch.Tensor, ...]  # int64 [M_k] per row
 
     @classmethod
     def of(cls, index: Sequence[int], values: Sequence[tuple[float, float, float]],
-           outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]]) -> Penalties:
+           outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int] | torch.Tensor]) -> Penalties:
         """From each penalised row's output so far and its prompt's distinct tokens (empty without repetition)."""
         pairs = [(k, token) for k, tokens in enumerate(outputs) for token in tokens]
-        seen = [(k, token) for k, tokens in enumerate(prompts) for token in tokens]
         return cls(tuple(index), tuple(values), torch.tensor(pairs, dtype=torch.int64).view(-1, 2),
-                   torch.tensor(seen, dtype=torch.int64).view(-1, 2))
+                   tuple(torch.as_tensor(ids, dtype=torch.int64) for ids in prompts))
 
 
 def penalize(out: torch.Tensor, penalties: Penalties) -> None:
@@ -47,11 +47,11 @@ def penalize(out: torch.Tensor, penalties: Penalties) -> None:
     counts = torch.zeros_like(sub)
     counts.index_put_((outputs[:, 0], outputs[:, 1]), torch.ones(len(outputs), dtype=out.dtype, device=device),
                       accumulate=True)
-    if bool((torch.tensor([v[0] for v in penalties.values]) != 1.0).any()):
-        prompts = penalties.prompts.pin_memory() if pinned else penalties.prompts
-        prompts = prompts.to(device, non_blocking=pinned)
+    if any(repetition != 1.0 for repetition, _, _ in penalties.values):
         seen = counts > 0
-        seen[prompts[:, 0], prompts[:, 1]] = True
+        for k, ids in enumerate(penalties.prompts):
+            if ids.numel():
+                seen[k, ids.to(device, non_blocking=pinned)] = True
         repetition = values[:, 0:1]
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
     sub = sub - values[:, 1:2] * counts - values[:, 2:3] * (counts > 0).to(out.dtype)

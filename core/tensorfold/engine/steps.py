@@ -56,7 +56,7 @@ class StepPath:
         drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
         drawn, logits, forked = fork_point(self, streams, plan, drawn, logits)  # engine/forks.py
         allowed = self._allowed(drawn, logits)
-        penalties = penalties_for(drawn)
+        penalties = penalties_for(drawn, logits.device)
         tokens: list[int] = []
         read_now = any(s.sample_row.logprobs is not None for s in drawn)
         if drawn and self._ahead is not None and is_decode(plan) and not read_now:  # read back once the next
@@ -142,10 +142,8 @@ class StepPath:
             return None
         allowed = Allowed.empty(index, logits.shape[1], logits.device)
         for k, i in enumerate(index):
-            grammar = drawn[i].request.grammar
             try:
-                if grammar is not None:
-                    grammar.allowed(allowed.bits[k])
+                drawn[i].request.grammar.allowed(allowed.bits[k])
             except Exception as err:
                 allowed.bits[k].fill_(-1)
                 self._stream_failed(drawn[i], err)
@@ -174,15 +172,14 @@ class StepPath:
             stream.pending = token
 
 
-
-def penalties_for(drawn: list[Stream]) -> Penalties | None:
+def penalties_for(drawn: list[Stream], device: torch.device) -> Penalties | None:
     """The penalised drawn streams' penalties, None when none is: nothing is built for a step without one."""
     index = [i for i, stream in enumerate(drawn) if stream.sample_row.penalized]
     if not index:
         return None
     rows = [drawn[i] for i in index]
     return Penalties.of(index, [s.sample_row.penalties for s in rows], [s.outputs for s in rows],
-                        [s.prompt_distinct() if s.sample_row.penalties[0] != 1.0 else () for s in rows])
+                        [s.prompt_distinct(device) if s.sample_row.penalties[0] != 1.0 else () for s in rows])
 
 
 def logprobs_for(drawn: list[Stream], logits: torch.Tensor,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import torch
 
 from tensorfold.engine.api import Request
 from tensorfold.engine.sampler import SampleRow
@@ -29,13 +30,13 @@ class Stream:
     keep_at: dict[int, frozenset[str]] = attrs.field(factory=dict)
     ended: bool = False
     outputs: list[int] = attrs.field(factory=list)  # the tokens sampled so far (penalties read them)
-    _distinct: tuple[int, ...] | None = None        # the prompt's distinct tokens, once a repetition penalty asks
+    _distinct: torch.Tensor | None = None           # the prompt's distinct tokens, once a repetition penalty asks
     forks: list[Stream] = attrs.field(factory=list)  # not running yet: they start where its prefill ends
 
-    def prompt_distinct(self) -> tuple[int, ...]:
-        """The prompt's distinct token ids (for a repetition penalty), worked out once."""
-        if self._distinct is None:
-            self._distinct = tuple(sorted(set(self.request.prompt)))
+    def prompt_distinct(self, device: torch.device) -> torch.Tensor:
+        """The prompt's distinct token ids on `device` (for a repetition penalty), worked out and copied once."""
+        if self._distinct is None or self._distinct.device != device:
+            self._distinct = torch.tensor(sorted(set(self.request.prompt)), dtype=torch.int64, device=device)
         return self._distinct
 
     @property

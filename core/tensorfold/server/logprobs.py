@@ -16,9 +16,12 @@ def chat_logprobs(entries: Sequence[Entry], text: TokenText) -> dict[str, Any]:
 
 
 def _chat_entry(token: int, logprob: float, top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, Any]:
-    piece = text(token)
-    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
-            "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())} for t, lp in top]}
+    return {**_named(text(token), logprob), "top_logprobs": [_named(text(t), lp) for t, lp in top]}
+
+
+def _named(piece: str, logprob: float) -> dict[str, Any]:
+    """A token as chat logprobs name it: its text, its logprob and its UTF-8 bytes."""
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
 def text_logprobs(entries: Sequence[Entry], text: TokenText, offset: int = 0) -> dict[str, Any]:
