@@ -37,7 +37,8 @@ class FamilyModel(Protocol):
     vocab_size: int
 
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
-        """Run one step; return float32 logits [plan.sampled, vocab_size] for the streams that sample."""
+        """Run one step; return float32 logits [plan.logit_rows, vocab_size]: each share's last row when it samples,
+        every row with `every_row` (StreamStep.logit_rows), in plan order."""
         ...
 
 

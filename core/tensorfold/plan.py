@@ -8,12 +8,15 @@ import torch
 
 @attrs.frozen
 class StreamStep:
-    """One stream's share of a step: its tokens at absolute positions [start, start + len(tokens))."""
+    """One stream's share of a step: its tokens at absolute positions [start, start + len(tokens)). With `sample`
+    the forward returns its last row's logits; with `every_row`, every row's (a prompt's logprobs), the last being
+    the one sampled from when it samples."""
 
     slot: int
     start: int
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
     sample: bool = True
+    every_row: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:
@@ -26,10 +29,15 @@ class StreamStep:
         """The absolute position after this step's last row."""
         return self.start + len(self.tokens)
 
+    @property
+    def logit_rows(self) -> int:
+        """Logit rows the forward returns for this share: all its rows, its last, or none."""
+        return len(self.tokens) if self.every_row else int(self.sample)
+
 
 @attrs.frozen
 class StepPlan:
-    """The streams of one step; the forward returns logits for each stream with `sample`, in this order."""
+    """The streams of one step; the forward returns each share's logit rows (StreamStep.logit_rows), in this order."""
 
     streams: tuple[StreamStep, ...] = attrs.field(converter=tuple)
 
@@ -45,8 +53,18 @@ class StepPlan:
 
     @property
     def sampled(self) -> int:
-        """How many logit rows the forward returns."""
+        """How many streams sample."""
         return sum(1 for s in self.streams if s.sample)
+
+    @property
+    def logit_rows(self) -> int:
+        """How many logit rows the forward returns: `sampled` unless a share asks for every row."""
+        return sum(s.logit_rows for s in self.streams)
+
+    @property
+    def every_row(self) -> bool:
+        """Whether a share asks for every row's logits."""
+        return any(s.every_row for s in self.streams)
 
 
 @attrs.frozen

@@ -47,7 +47,7 @@ class Rows:
     longer: tuple[int, ...]         # stream indices with more
     single_rows: torch.Tensor       # [B] long: the row of each single stream
     single_slots: torch.Tensor      # [B] long
-    sampled_rows: torch.Tensor      # [sampled] long: each sampling stream's last row
+    sampled_rows: torch.Tensor      # [logit_rows] long: each stream's logit rows (StreamStep.logit_rows)
     longer_rows: torch.Tensor       # [L] long: the rows of the longer streams, stream after stream
     packed: tuple[int, ...]         # len(longer) + 1 offsets of each longer stream's rows in longer_rows
     longer_slots: torch.Tensor      # [len(longer)] long
@@ -79,7 +79,8 @@ def flatten(plan: StepPlan, device: torch.device) -> Rows:
                 slots=tuple(s.slot for s in plan.streams), starts=tuple(s.start for s in plan.streams),
                 single=single, longer=longer, single_rows=as_long([spans[i][0] for i in single]),
                 single_slots=as_long([plan.streams[i].slot for i in single]),
-                sampled_rows=as_long([spans[i][1] - 1 for i, s in enumerate(plan.streams) if s.sample]),
+                sampled_rows=as_long([r for (a, b), s in zip(spans, plan.streams, strict=True)
+                                      for r in range(b - s.logit_rows, b)]),
                 longer_rows=as_long(longer_rows), packed=tuple(packed),
                 longer_slots=as_long([plan.streams[i].slot for i in longer]), longer_of_row=as_long(longer_of_row),
                 longer_index=as_long(list(longer)), packed_offsets=as_int(packed),
@@ -87,7 +88,7 @@ def flatten(plan: StepPlan, device: torch.device) -> Rows:
 
 
 def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
-    """One step for every stream at once; float32 logits [plan.sampled, V]."""
+    """One step for every stream at once; float32 logits [plan.logit_rows, V]."""
     c, w = model.config, model.weights
     rows = flatten(plan, model.device)
     fresh = [rows.slots[i] for i, start in enumerate(rows.starts) if start == 0]

@@ -65,7 +65,8 @@ class QwenModel:
 
     @torch.no_grad()
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
-        """Run one step; float32 logits [plan.sampled, V]: the last row of each stream that samples, in order.
+        """Run one step; float32 logits [plan.logit_rows, V]: each stream's logit rows (its last when it
+        samples, all with every_row), in order.
 
         On CUDA every stream's rows go through each layer together (batched.py); on the CPU each stream runs
         alone, the reference."""
@@ -76,11 +77,13 @@ class QwenModel:
         picked = []
         for step in plan.streams:
             x = self.hidden(step, kv)                                          # [T, E]
-            if step.sample:
-                picked.append(self.logits(x[-1:]))                             # [1, V]
+            if step.every_row:  # the rows before the last, apart: the last is computed as always
+                picked.append(self.logits(x[:-1]))                                 # [T - 1, V]
+            if step.every_row or step.sample:
+                picked.append(self.logits(x[-1:]))                                 # [1, V]
         if not picked:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return torch.cat(picked)                                               # [sampled, V]
+        return torch.cat(picked)                                               # [logit_rows, V]
 
     @torch.no_grad()
     def decode(self, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:

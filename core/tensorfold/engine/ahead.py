@@ -60,7 +60,7 @@ class InFlight:
 
 def is_decode(plan: StepPlan) -> bool:
     """Whether every share feeds one token it samples, past position 0 (the steps the decode path takes)."""
-    return all(len(s.tokens) == 1 and s.sample and s.start > 0 for s in plan.streams)
+    return all(len(s.tokens) == 1 and s.sample and not s.every_row and s.start > 0 for s in plan.streams)
 
 
 def ahead_of(step: InFlight, context: int) -> tuple[StepPlan, list[Stream]] | None:

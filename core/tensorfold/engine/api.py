@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class Sampling:
-    """How one request samples: greedy when temperature is 0; a seed makes a reply reproducible."""
+    """How one request samples: greedy when temperature is 0; a seed makes a reply reproducible; max_tokens 0
+    prefills the prompt and ends with `length` (for its prompt logprobs)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,6 +30,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # the sampled token's logprob and this many most likely ones (None: none)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many most likely (PromptEvent)
 
 
 @attrs.frozen
@@ -39,6 +41,15 @@ class TokenEvent:
     token_id: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class PromptEvent:
+    """Sent once, when the prompt's prefill ends, to a request whose Sampling.prompt_logprobs is set (such a request
+    prefills its whole prompt: it never resumes from a kept state). One (token id, logprob, top) per prompt token,
+    as TokenEvent has them; the first token has no logprob (nothing precedes it) and no top."""
+
+    entries: tuple[tuple[int, float | None, tuple[tuple[int, float], ...]], ...]
 
 
 @attrs.frozen
@@ -58,7 +69,7 @@ class ErrorEvent:
     message: str
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+Event = TokenEvent | PromptEvent | DoneEvent | ErrorEvent
 
 
 class EventSink(Protocol):

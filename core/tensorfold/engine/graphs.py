@@ -99,10 +99,11 @@ class DecodeRunner:
     def covers(self, plan: StepPlan, kv: KvStore) -> bool:
         """Whether this step is one the decode path takes."""
         return (kv is self.kv and 0 < len(plan.streams) <= self.sizes[-1]
-                and all(len(s.tokens) == 1 and s.sample and s.start > 0 for s in plan.streams))
+                and all(len(s.tokens) == 1 and s.sample and not s.every_row and s.start > 0
+                        for s in plan.streams))
 
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
-        """The step's float32 logits [plan.sampled, V], by the decode path when it covers the step."""
+        """The step's float32 logits [plan.logit_rows, V], by the decode path when it covers the step."""
         out = self._decode(plan, None) if self.covers(plan, kv) else None
         return out if out is not None else self.model.forward(plan, kv)
 

@@ -13,6 +13,8 @@
     keeping:    a prefilling stream's state is kept after the steps that end at its keep points: the last cut at
                 or before its history end, system end and rewind mark, at least min_chunk apart (tiers/policy.py)
     partitions: a request looks up and keeps states in its own partition only (Request.partition)
+    prompt logprobs: a request that asks for them (Sampling.prompt_logprobs) prefills its whole prompt, every row's
+                logits returned (StreamStep.every_row); it still keeps its states for others
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class Scheduler:
         if never is not None:
             raise ValueError(never)
         cuts = plan_cuts(len(request.prompt), request.starts, self.prefill_chunk, self.min_chunk)
-        hit = self.tiers.lookup(request.prompt, cuts, request.partition) if self.tiers is not None else None
+        whole = request.sampling.prompt_logprobs is not None  # its prompt's logprobs need every row computed
+        hit = self.tiers.lookup(request.prompt, cuts, request.partition) if self.tiers is not None and not whole \
+            else None
         shared = hit.state.pages if hit is not None else ()
         if not self.memory.fits(reach, len(shared), more) and self._evicting_helps(reach, len(shared), more):
             spare = hit.state if hit is not None else None
@@ -206,4 +210,6 @@ class Scheduler:
         start = stream.position
         end = stream.cuts[bisect_right(stream.cuts, start)]
         tokens = stream.request.prompt[start:end]
-        return StreamStep(stream.claim.slot, start, tokens, sample=end == stream.prompt_len)
+        sampling = stream.request.sampling
+        return StreamStep(stream.claim.slot, start, tokens, sample=end == stream.prompt_len and sampling.max_tokens > 0,
+                          every_row=sampling.prompt_logprobs is not None)

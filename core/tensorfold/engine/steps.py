@@ -18,6 +18,7 @@ from tensorfold.engine.ahead import InFlight, ahead_of, is_decode
 from tensorfold.engine.api import TokenEvent
 from tensorfold.engine.forks import first_tokens, fork_point
 from tensorfold.engine.penalties import Penalties
+from tensorfold.engine.prompt_logprobs import entries_of, first_rows, prompt_event, sampled_rows
 from tensorfold.engine.sampler import Allowed, Sampler, logprobs_of, refused
 from tensorfold.engine.stats import EngineStats
 from tensorfold.engine.stream import Stream
@@ -53,6 +54,8 @@ class StepPath:
         self._step_streams = streams
         started = time.monotonic()
         logits = self.model.forward(plan, self.memory.kv)
+        if plan.every_row:
+            logits = self._prompt_rows(plan, streams, logits)
         drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
         drawn, logits, forked = fork_point(self, streams, plan, drawn, logits)  # engine/forks.py
         allowed = self._allowed(drawn, logits)
@@ -89,9 +92,33 @@ class StepPath:
                 if mine is not None:
                     self._sampled(stream, tokens[mine], logits[mine], now,
                                   logprobs[mine] if logprobs is not None else None)
+                elif share.end == stream.prompt_len:  # max_tokens 0: the prompt alone (its logprobs) was asked for
+                    self._end(stream, "length")
             except Exception as err:
                 self._stream_failed(stream, err)
         first_tokens(self, forked, row, tokens, logits, logprobs, now)
+
+    def _prompt_rows(self, plan: StepPlan, streams: list[Stream], logits: torch.Tensor) -> torch.Tensor:
+        """A step with every_row shares: gather their prompt logprobs (a PromptEvent for the request and its forks
+        where its prefill ends; a failure fails that stream alone) and return the sampled rows alone."""
+        if logits.shape[0] != plan.logit_rows:
+            raise ValueError(f"the family's forward returned {logits.shape[0]} logit rows for a step that asks for "
+                             f"{plan.logit_rows}: StreamStep.every_row wants every row of its share (docs/hooks.md)")
+        for stream, share, first in zip(streams, plan.streams, first_rows(plan), strict=True):
+            if not share.every_row or stream.ended:
+                continue
+            try:
+                prompt = stream.request.prompt
+                stream.prompt_entries += entries_of(logits, first, share, prompt,
+                                                    stream.request.sampling.prompt_logprobs or 0)
+                if share.end == stream.prompt_len:
+                    event, stream.prompt_entries = prompt_event(prompt, stream.prompt_entries), []
+                    for request in (stream.request, *(fork.request for fork in stream.forks)):
+                        self._outbox.emit(request, event)
+            except Exception as err:
+                self._stream_failed(stream, err)
+        rows = torch.tensor(sampled_rows(plan), dtype=torch.int64).to(logits.device)
+        return logits.index_select(0, rows)
 
     def _step_ahead(self, step: InFlight) -> None:
         """A decode step is in flight: launch the next one from its ids on the device (unless the first waiting

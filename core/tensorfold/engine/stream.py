@@ -32,6 +32,7 @@ class Stream:
     outputs: list[int] = attrs.field(factory=list)  # the tokens sampled so far (penalties read them)
     _distinct: torch.Tensor | None = None           # the prompt's distinct tokens, once a repetition penalty asks
     forks: list[Stream] = attrs.field(factory=list)  # not running yet: they start where its prefill ends
+    prompt_entries: list = attrs.field(factory=list)  # prompt logprobs so far (engine/prompt_logprobs.py)
 
     def prompt_distinct(self, device: torch.device) -> torch.Tensor:
         """The prompt's distinct token ids on `device` (for a repetition penalty), worked out and copied once."""

@@ -24,6 +24,7 @@ import attrs
 from starlette.responses import StreamingResponse
 
 from tensorfold.server.generation import Choices, Disconnected, EngineFailed, Finish, Generation, Piece, Usage
+from tensorfold.server.logprobs import prompt_logprobs
 from tensorfold.server.payloads import CHAT, Shaper
 from tensorfold.server.replies import ChatOutput, chat_output, finish_reason
 from tensorfold.server.sse import DONE, HEADERS, ChoiceChunks, EventStream, event, failed
@@ -49,8 +50,13 @@ class Collected:
         assert self.finish is not None
         text = "".join(self.texts)
         parts = output.whole(text) if output is not None else None
-        return shaper.response(text, finish_reason(self.finish.finish_reason, output), self.finish.usage,
-                               list(generation.params.prompt), generation.token_ids, parts, generation.logprobs)
+        body = shaper.response(text, finish_reason(self.finish.finish_reason, output), self.finish.usage,
+                               list(generation.params.prompt), generation.token_ids, parts,
+                               generation.echoed_entries + generation.logprobs)
+        if generation.params.prompt_logprobs:  # vLLM's field: the chat answer's, or the completion choice's
+            shown = prompt_logprobs(generation.prompt_entries, shaper.decoded)
+            (body if shaper.kind == CHAT else body["choices"][0])["prompt_logprobs"] = shown
+        return body
 
 
 async def whole_one(generation: Generation, shaper: Shaper, output: ChatOutput | None,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import attrs
 
-from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, Request, Sampling, TokenEvent
+from tensorfold.engine.api import DoneEvent, ErrorEvent, Event, PromptEvent, Request, Sampling, TokenEvent
 from tensorfold.server.detok import StopText
 from tensorfold.server.errors import UNAVAILABLE, ApiError, engine_failed, queue_full
 from tensorfold.server.handoff import sink_for
@@ -117,6 +117,8 @@ class Generation:
         self._waiter = waiter if waiter is not None else Waiter(self._loop)
         self._since = 0  # token ids not yet handed out with a Piece
         self._entries: list[Entry] = []  # logprob entries, one per id of self.text.ids (when asked for)
+        self.prompt_entries: list[Entry] = []  # the prompt's, from the engine's PromptEvent (when asked for)
+        self._echoed = False  # whether the echoed prompt went out
         grammar = service.grammars.matcher(params.grammar) if params.grammar is not None else None
         self.request = Request(id=self.id, prompt=params.prompt, sampling=sampling or params.sampling,
                                on_event=self._receive, starts=params.starts, marks=params.marks,
@@ -179,9 +181,14 @@ class Generation:
         while self._events and not self.finished:
             event = self._events.popleft()
             if isinstance(event, TokenEvent):
+                self._echo(items)
                 self._token(event, items)
+            elif isinstance(event, PromptEvent):
+                self.prompt_entries = list(event.entries)
+                self._echo(items)
             elif isinstance(event, DoneEvent):
                 self.finished = True
+                self._echo(items)
                 self._done(event, items)
             else:
                 self.finished = True
@@ -199,6 +206,19 @@ class Generation:
             self.request.cancel()
         if text:
             items.append(self._piece(text))
+
+    def _echo(self, items: list[Piece | Finish]) -> None:
+        """With `echo`, the prompt's text as the first Piece, before the first token (with the prompt's logprobs
+        when the completion's are asked for: the engine sends them before any token)."""
+        if self.params.echo is not None and not self._echoed:
+            self._echoed = True
+            items.append(Piece(self.params.echo, (), tuple(self.echoed_entries)))
+
+    @property
+    def echoed_entries(self) -> list[Entry]:
+        """The prompt's entries an echo shows with the completion's logprobs (none unless both are asked for)."""
+        wanted = self.params.echo is not None and self.request.sampling.logprobs is not None
+        return self.prompt_entries if wanted else []
 
     def _done(self, event: DoneEvent, items: list[Piece | Finish]) -> None:
         """The text held back, then the Finish."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# one token's logprob record as the engine sends it: (token id, logprob, ((id, logprob) of the most likely, ...))
-Entry = tuple[int, float, tuple[tuple[int, float], ...]]
+# one token's logprob record as the engine sends it: (token id, logprob, ((id, logprob) of the most likely, ...));
+# a prompt's first token has no logprob (None)
+Entry = tuple[int, float | None, tuple[tuple[int, float], ...]]
 TokenText = Callable[[int], str]
 
 
@@ -34,5 +35,23 @@ def text_logprobs(entries: Sequence[Entry], text: TokenText, offset: int = 0) ->
         tokens.append(piece)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": [logprob for _, logprob, _ in entries],
-            "top_logprobs": [{text(t): lp for t, lp in top} for _, _, top in entries],
+            "top_logprobs": [None if logprob is None else {text(t): lp for t, lp in top}
+                             for _, logprob, top in entries],
             "text_offset": offsets}
+
+
+def prompt_logprobs(entries: Sequence[Entry], text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then for each token a map from token id (a string, as
+    JSON keys are) to {logprob, rank, decoded_token}, holding the prompt's token and the most likely ones (rank 1
+    first; the prompt token's rank is known only when it is among them, else null)."""
+    out: list[dict[str, Any] | None] = []
+    for token, logprob, top in entries:
+        if logprob is None:
+            out.append(None)
+            continue
+        ranks = {t: rank for rank, (t, _) in enumerate(top, start=1)}
+        found = {str(token): {"logprob": logprob, "rank": ranks.get(token), "decoded_token": text(token)}}
+        for t, lp in top:
+            found.setdefault(str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": text(t)})
+        out.append(found)
+    return out

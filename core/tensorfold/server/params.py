@@ -38,7 +38,6 @@ MAX_CHOICES = 16     # `n` and `best_of`: the streams one request may run (each 
 # Fields an OpenAI client may send that this server cannot honour: refused unless they hold their no-op value.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v == [],
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     # vLLM's extra fields this server does not honour yet: refused by name, never silently ignored
     "bad_words": lambda v: v == [],
@@ -70,6 +69,8 @@ class Generate:
     reasoning_open: bool = False  # the prompt ends inside the family's think block: the reply starts in reasoning
     n: int = 1        # choices returned (server/choices.py)
     best_of: int = 1  # choices generated: the n with the highest cumulative logprob are returned
+    echo: str | None = None  # completions' `echo`: the prompt's text, put before the completion (and its logprobs)
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: the prompt's logprobs as their own field
 
 
 @attrs.frozen
@@ -122,6 +123,8 @@ def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: b
     """POST /v1/chat/completions: render the messages with the checkpoint's template, then validate the rest;
     without `specials_in_content`, special-token text in message content is encoded as text (server/prompts.py)."""
     model = check_common(body, service)
+    if read_bool(body, "echo"):
+        raise bad_request("'echo' is for /v1/completions, not /v1/chat/completions", "echo")
     chat = chat_prompt(body, service, specials_in_content)
     if not chat.ids:
         raise bad_request("the messages render to an empty prompt", "messages")
@@ -143,8 +146,14 @@ def parse_completion(body: Mapping[str, Any], service: Service) -> Generate:
         if body.get(field) is not None:
             raise bad_request(f"'{field}' is for /v1/chat/completions, not /v1/completions", field)
     prompt = read_prompt(body, service)
-    return generate(body, service, prompt, "prompt", model, read_grammar(body, [], ToolChoice(NONE),
-                                                                          service.grammars))
+    echo = read_bool(body, "echo")
+    grammar = read_grammar(body, [], ToolChoice(NONE), service.grammars)
+    params = generate(body, service, prompt, "prompt", model, grammar, echo=echo)
+    if not echo:
+        return params
+    text = body["prompt"]
+    text = text[0] if isinstance(text, list) and text and isinstance(text[0], str | list) else text
+    return attrs.evolve(params, echo=text if isinstance(text, str) else service.tokenizer.decode(prompt))
 
 
 def parse_tokenize(body: Mapping[str, Any], service: Service, specials_in_content: bool = True) -> Tokenize:
@@ -199,17 +208,28 @@ def read_prompt(body: Mapping[str, Any], service: Service) -> list[int]:
 
 
 def generate(body: Mapping[str, Any], service: Service, prompt: list[int], prompt_param: str,
-             model: str | None = None, grammar: GrammarSpec | None = None, chat: bool = False) -> Generate:
-    """Sampling, stop strings and stream options, with the context rule applied to this prompt."""
+             model: str | None = None, grammar: GrammarSpec | None = None, chat: bool = False,
+             echo: bool = False) -> Generate:
+    """Sampling, stop strings and stream options, with the context rule applied to this prompt; with `echo`
+    (completions) max_tokens may be 0 and the prompt's logprobs come with the completion's."""
     stream = read_bool(body, "stream")
     options = read_object(body, "stream_options")
     if options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = read_bool(options, "include_usage") if options else False
     n, best_of = read_choices(body, service, stream, chat)
+    sampling = read_sampling(body, service, len(prompt), prompt_param, zero_ok=echo)
+    logprobs = read_logprobs(body, chat)
+    shown = read_int(body, "prompt_logprobs", low=0, high=MAX_LOGPROBS)
+    if shown is not None and stream:
+        raise bad_request("'prompt_logprobs' comes with a whole answer, not with 'stream'", "prompt_logprobs")
+    if sampling.max_tokens == 0 and best_of > 1:
+        raise bad_request("'max_tokens' 0 (the prompt alone) makes every choice the same: ask for one", "max_tokens")
+    echoed = logprobs if echo else None
+    scored = max((v for v in (shown, echoed) if v is not None), default=None)
     return Generate(n=n, best_of=best_of, model=model or service.model_name, prompt=tuple(prompt),
-                    sampling=attrs.evolve(read_sampling(body, service, len(prompt), prompt_param),
-                                          logprobs=read_logprobs(body, chat)), stop=read_stop(body),
+                    sampling=attrs.evolve(sampling, logprobs=logprobs, prompt_logprobs=scored),
+                    prompt_logprobs=shown is not None, stop=read_stop(body),
                     stream=stream, include_usage=include_usage,
                     return_token_ids=read_bool(body, "return_token_ids"), cache_salt=read_salt(body),
                     include_stop=read_bool(body, "include_stop_str_in_output"), grammar=grammar)
@@ -254,8 +274,10 @@ def read_salt(body: Mapping[str, Any]) -> str | None:
     return salt
 
 
-def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int, prompt_param: str) -> Sampling:
-    """The request's sampling fields over the served defaults; max_tokens checked against the context. Every value
+def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int, prompt_param: str,
+                  zero_ok: bool = False) -> Sampling:
+    """The request's sampling fields over the served defaults; max_tokens checked against the context (0, the prompt
+    alone, only when `zero_ok`: completions' echo). Every value
     in range forms a distribution: the sampler keeps the most likely token whatever top_p, top_k and min_p drop (a
     top_p that rounds to 0 in float32 samples it), so none is refused for that (engine/sampler.py)."""
     defaults = service.defaults
@@ -264,8 +286,8 @@ def read_sampling(body: Mapping[str, Any], service: Service, prompt_tokens: int,
     top_k = read_int(body, "top_k", low=-1)
     min_p = read_float(body, "min_p", low=0.0, high=1.0)
     seed = read_int(body, "seed", low=SEED_MIN, high=SEED_MAX)
-    legacy = read_int(body, "max_tokens", low=1)
-    asked = read_int(body, "max_completion_tokens", low=1)
+    legacy = read_int(body, "max_tokens", low=0 if zero_ok else 1)
+    asked = read_int(body, "max_completion_tokens", low=0 if zero_ok else 1)
     asked = legacy if asked is None else asked
     max_tokens = check_context(service.context, prompt_tokens, asked, defaults.max_tokens, prompt_param)
     ignore_eos = read_bool(body, "ignore_eos")

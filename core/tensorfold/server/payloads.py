@@ -19,12 +19,13 @@ class Shaper:
     """Builds one request's response objects, chat or text, with a shared id, model and creation time."""
 
     def __init__(self, kind: str, id: str, model: str, return_token_ids: bool,
-                 token_text: TokenText | None = None) -> None:
+                 token_text: TokenText | None = None, decoded: TokenText | None = None) -> None:
         self.kind = kind
         self.id = id
         self.model = model
         self.return_token_ids = return_token_ids
         self.token_text = token_text  # set when the request asked for logprobs: each token's own text
+        self.decoded = decoded or token_text or str  # each token's text, for vLLM's prompt_logprobs
         self.created = int(time.time())
         self.index = 0    # the choice these objects are for (several with `n`: server/choices.py)
         self._offset = 0  # characters of completion text streamed so far (completions' text_offset)

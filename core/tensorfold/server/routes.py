@@ -43,7 +43,8 @@ async def answer(request: Request, service: Service, params: Generate, kind: str
     generation = Choices(service, params, prefix, partition) if many else Generation(service, params, prefix,
                                                                                       partition)
     shaper = Shaper(kind, generation.id, params.model, params.return_token_ids,
-                    service.tokenizer.token_text if params.sampling.logprobs is not None else None)
+                    service.tokenizer.token_text if params.sampling.logprobs is not None else None,
+                    service.tokenizer.token_text)
     output = chat_output(service, params) if kind == CHAT and not many else None
     generation.submit()
     if params.stream:

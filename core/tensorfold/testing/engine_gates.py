@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from tensorfold.cuts import is_cut, plan_cuts
-from tensorfold.engine.api import DoneEvent, ErrorEvent, KeepMarks, Request, Sampling, TokenEvent
+from tensorfold.engine.api import DoneEvent, ErrorEvent, KeepMarks, PromptEvent, Request, Sampling, TokenEvent
 from tensorfold.engine.runner import Engine
 from tensorfold.image import read_out, row_offset
 from tensorfold.kv import KvStore, PagedStore, WindowStore
@@ -99,6 +99,7 @@ class Client:
     def __init__(self, name: str, prompt: tuple[int, ...], sampling: Sampling, starts: tuple[int, ...] = (),
                  cancel_after: int | None = None, marks: KeepMarks | None = None) -> None:
         self.tokens: list[int] = []
+        self.prompt_entries: list = []  # the PromptEvent's, when the sampling asks for prompt logprobs
         self.done: queue.Queue = queue.Queue()
         self.cancel_after = cancel_after
         self.request = Request(name, prompt, sampling, self.on_event, starts=starts, marks=marks or KeepMarks())
@@ -108,6 +109,8 @@ class Client:
             self.tokens.append(event.token_id)
             if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
                 self.request.cancel()
+        elif isinstance(event, PromptEvent):
+            self.prompt_entries = list(event.entries)
         else:
             self.done.put(event)
 

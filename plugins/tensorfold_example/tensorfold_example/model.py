@@ -161,15 +161,18 @@ class ExampleModel:
 
     @torch.no_grad()
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
-        """Run one step; float32 logits [plan.sampled, V]: the last row of each stream that samples, in order."""
+        """Run one step; float32 logits [plan.logit_rows, V]: each stream's logit rows (its last when it
+        samples, all with every_row), in order."""
         picked = []
         for step in plan.streams:
             x = self.hidden(step, kv)                                 # [T, E]
-            if step.sample:
-                picked.append(self.logits(x[-1:]))                    # [1, V]
+            if step.every_row:  # the rows before the last, apart: the last is computed as always
+                picked.append(self.logits(x[:-1]))                                 # [T - 1, V]
+            if step.every_row or step.sample:
+                picked.append(self.logits(x[-1:]))                                 # [1, V]
         if not picked:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return torch.cat(picked)                                      # [sampled, V]
+        return torch.cat(picked)                                      # [logit_rows, V]
 
     @torch.no_grad()
     def forward_all(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
