@@ -18,22 +18,33 @@ import torch
 
 @attrs.frozen
 class Penalties:
-    """The penalised rows of a step: their index among the drawn rows, their three values, the (row, token) pairs
-    of their output tokens (each occurrence), and per row its prompt's distinct token ids (empty without a
-    repetition penalty; a stream keeps them on the device once, Stream.prompt_distinct)."""
+    """The penalised rows of a step: their index among the drawn rows, their three values, each row's output counts
+    (a [V] tensor a stream keeps up to date on the device, Stream.output_counts, or the output's token ids) and
+    its prompt's distinct token ids (empty without a repetition penalty; a stream keeps them on the device once,
+    Stream.prompt_distinct). A step costs O(rows × V) on the device, never O(tokens produced) on the host."""
 
     index: tuple[int, ...]
     values: tuple[tuple[float, float, float], ...]  # (repetition, frequency, presence) per row
-    outputs: torch.Tensor  # int64 [N, 2]
+    counts: tuple[torch.Tensor | Sequence[int], ...]  # per row: float32 [V] counts, or the output's ids
     prompts: tuple[torch.Tensor, ...]  # int64 [M_k] per row
 
     @classmethod
     def of(cls, index: Sequence[int], values: Sequence[tuple[float, float, float]],
-           outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int] | torch.Tensor]) -> Penalties:
-        """From each penalised row's output so far and its prompt's distinct tokens (empty without repetition)."""
-        pairs = [(k, token) for k, tokens in enumerate(outputs) for token in tokens]
-        return cls(tuple(index), tuple(values), torch.tensor(pairs, dtype=torch.int64).view(-1, 2),
+           counts: Sequence[torch.Tensor | Sequence[int]], prompts: Sequence[Sequence[int] | torch.Tensor]
+           ) -> Penalties:
+        """From each penalised row's output counts (or ids) and its prompt's distinct tokens (empty without
+        repetition)."""
+        return cls(tuple(index), tuple(values), tuple(counts),
                    tuple(torch.as_tensor(ids, dtype=torch.int64) for ids in prompts))
+
+
+def count_rows(counts: Sequence[torch.Tensor | Sequence[int]], vocab: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """[K, V] counts in `dtype`: a count tensor as it is, a list of ids counted here."""
+    rows = [c.to(device, dtype) if isinstance(c, torch.Tensor) else
+            torch.bincount(torch.as_tensor(list(c), dtype=torch.int64), minlength=vocab).to(device, dtype)
+            for c in counts]
+    return torch.stack(rows) if rows else torch.zeros(0, vocab, dtype=dtype, device=device)
 
 
 def penalize(out: torch.Tensor, penalties: Penalties) -> None:
@@ -41,12 +52,8 @@ def penalize(out: torch.Tensor, penalties: Penalties) -> None:
     device, pinned = out.device, out.device.type == "cuda"
     rows_at = torch.tensor(penalties.index, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
     values = torch.tensor(penalties.values, dtype=out.dtype, pin_memory=pinned).to(device, non_blocking=pinned)
-    outputs = penalties.outputs.pin_memory() if pinned else penalties.outputs
-    outputs = outputs.to(device, non_blocking=pinned)
     sub = out.index_select(0, rows_at)
-    counts = torch.zeros_like(sub)
-    counts.index_put_((outputs[:, 0], outputs[:, 1]), torch.ones(len(outputs), dtype=out.dtype, device=device),
-                      accumulate=True)
+    counts = count_rows(penalties.counts, out.shape[1], out.dtype, device)
     if any(repetition != 1.0 for repetition, _, _ in penalties.values):
         seen = counts > 0
         for k, ids in enumerate(penalties.prompts):

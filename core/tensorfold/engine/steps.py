@@ -59,7 +59,7 @@ class StepPath:
         drawn = [stream for stream, share in zip(streams, plan.streams, strict=True) if share.sample]
         drawn, logits, forked = fork_point(self, streams, plan, drawn, logits)  # engine/forks.py
         allowed = self._allowed(drawn, logits)
-        penalties = penalties_for(drawn, logits.device)
+        penalties = penalties_for(drawn, logits)
         tokens: list[int] = []
         read_now = any(s.sample_row.logprobs is not None for s in drawn)
         if drawn and self._ahead is not None and is_decode(plan) and not read_now:  # read back once the next
@@ -199,13 +199,14 @@ class StepPath:
             stream.pending = token
 
 
-def penalties_for(drawn: list[Stream], device: torch.device) -> Penalties | None:
+def penalties_for(drawn: list[Stream], logits: torch.Tensor) -> Penalties | None:
     """The penalised drawn streams' penalties, None when none is: nothing is built for a step without one."""
     index = [i for i, stream in enumerate(drawn) if stream.sample_row.penalized]
     if not index:
         return None
     rows = [drawn[i] for i in index]
-    return Penalties.of(index, [s.sample_row.penalties for s in rows], [s.outputs for s in rows],
+    vocab, device = logits.shape[1], logits.device
+    return Penalties.of(index, [s.sample_row.penalties for s in rows], [s.output_counts(vocab, device) for s in rows],
                         [s.prompt_distinct(device) if s.sample_row.penalties[0] != 1.0 else () for s in rows])
 
 

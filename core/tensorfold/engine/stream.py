@@ -31,6 +31,8 @@ class Stream:
     ended: bool = False
     outputs: list[int] = attrs.field(factory=list)  # the tokens sampled so far (penalties read them)
     _distinct: torch.Tensor | None = None           # the prompt's distinct tokens, once a repetition penalty asks
+    _counts: torch.Tensor | None = None             # float32 [V] counts of `outputs[:_counted]`, once a penalty asks
+    _counted: int = 0
     forks: list[Stream] = attrs.field(factory=list)  # not running yet: they start where its prefill ends
     prompt_entries: list = attrs.field(factory=list)  # prompt logprobs so far (engine/prompt_logprobs.py)
 
@@ -39,6 +41,18 @@ class Stream:
         if self._distinct is None or self._distinct.device != device:
             self._distinct = torch.tensor(sorted(set(self.request.prompt)), dtype=torch.int64, device=device)
         return self._distinct
+
+    def output_counts(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """How often each token is in the output so far, float32 [V] on `device`: kept there and brought up to date
+        with the tokens sampled since the last call (one small copy a step, however long the output)."""
+        if self._counts is None or self._counts.device != device:
+            self._counts, self._counted = torch.zeros(vocab, dtype=torch.float32, device=device), 0
+        new = self.outputs[self._counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.int64).to(device)
+            self._counts.index_put_((ids,), torch.ones(len(new), dtype=torch.float32, device=device), accumulate=True)
+            self._counted = len(self.outputs)
+        return self._counts
 
     @property
     def prompt_len(self) -> int:

@@ -80,3 +80,18 @@ def test_logprobs_are_the_raw_log_softmax():
     assert math.isclose(found[0][0], float(want[1, 17]), rel_tol=0, abs_tol=1e-12)
     assert [t for t, _ in found[0][1]] == want[1].topk(3).indices.tolist()
     assert found[1][1] == () and math.isclose(found[1][0], float(want[3, 250]), abs_tol=1e-12)
+
+
+def test_a_streams_output_counts_follow_its_output_one_step_at_a_time():
+    from tensorfold.engine.api import Request
+    from tensorfold.engine.stream import Stream
+
+    request = Request("r", (1, 2), Sampling(frequency_penalty=1.0), lambda event: None)
+    stream = Stream(request, claim=None, sample_row=SampleRow.of(request.sampling))
+    draws = [[], [5], [5, 9], [7], [], [5, 5, 0]]
+    for new in draws:
+        stream.outputs += new
+        counts = stream.output_counts(VOCAB, torch.device("cpu"))
+        assert torch.equal(counts, torch.bincount(torch.tensor(stream.outputs, dtype=torch.int64),
+                                                  minlength=VOCAB).float())
+    assert stream.output_counts(VOCAB, torch.device("cpu")) is counts  # kept, not rebuilt
