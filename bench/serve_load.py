@@ -6,6 +6,8 @@ main thread alone (uvicorn's event loop: HTTP, detokenization, SSE). Starts `ten
 default, or --model) unless --url points at a running server (then --pid gives its CPU figures).
 
     python bench/serve_load.py --family example --levels 1 4 16 32 --seconds 20
+    python bench/serve_load.py --levels 16 --variant logprobs '{"logprobs": true, "top_logprobs": 5}' \
+        --variant json '{"response_format": {"type": "json_object"}}'
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, stats: di
             last = now
 
 
-async def client_loop(url: str, index: int, deadline: float, stats: dict, max_tokens: int, words: int) -> None:
+async def client_loop(url: str, index: int, deadline: float, stats: dict, max_tokens: int, words: int,
+                      extra: dict) -> None:
     async with httpx.AsyncClient(timeout=300) as client:
         turn = 0
         while time.perf_counter() < deadline:
             text = f"client {index} turn {turn}: " + " ".join(["the kept state resumes"] * words)
             body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
-                    "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                    "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
             await one_request(client, url, body, stats)
             stats["requests"] += 1
             turn += 1
@@ -87,19 +90,22 @@ def per_token_ms(seconds: float, tokens: int) -> float | None:
     return round(1000 * seconds / tokens, 3) if tokens and seconds == seconds else None
 
 
-async def level(url: str, clients: int, seconds: float, max_tokens: int, words: int, pid: int | None) -> dict:
+async def level(url: str, clients: int, seconds: float, max_tokens: int, words: int, pid: int | None,
+                variant: str = "plain", extra: dict | None = None) -> dict:
     stats = {"tokens": 0, "requests": 0, "ttft": [], "itl": []}
     pool: list[dict] = []
     cpu_before = cpu_seconds(pid)
     start = time.perf_counter()
     deadline = start + seconds
     await asyncio.gather(watch_pool(url, deadline, pool),
-                         *(client_loop(url, i, deadline, stats, max_tokens, words) for i in range(clients)))
+                         *(client_loop(url, i, deadline, stats, max_tokens, words, extra or {})
+                           for i in range(clients)))
     elapsed = time.perf_counter() - start
     cpu_after = cpu_seconds(pid)
     server_cpu, loop_cpu = (after - before for after, before in zip(cpu_after, cpu_before, strict=True))
     leased = [p.get("leased", 0) / max(p.get("pages", 1), 1) for p in pool]
-    return {"bench": "serve_load", "clients": clients, "seconds": round(elapsed, 2), "requests": stats["requests"],
+    return {"bench": "serve_load", "variant": variant, "clients": clients, "seconds": round(elapsed, 2),
+            "requests": stats["requests"],
             "completion_tokens": stats["tokens"], "tok_per_s": round(stats["tokens"] / elapsed, 2),
             "ttft_p50_ms": round(1000 * percentile(stats["ttft"], 0.5), 1),
             "ttft_p99_ms": round(1000 * percentile(stats["ttft"], 0.99), 1),
@@ -143,13 +149,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=40)
+    parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "JSON"),
+                        help="fields merged into every request body, run at each level after the plain requests "
+                             "(repeatable): e.g. penalties '{\"frequency_penalty\": 0.5}'")
     args = parser.parse_args()
+    variants = [("plain", {})] + [(name, json.loads(fields)) for name, fields in args.variant or []]
     proc, url = (None, args.url) if args.url else start_server(args)
     pid = proc.pid if proc is not None else args.pid
     try:
         for clients in args.levels:
-            result = level(url, clients, args.seconds, args.max_tokens, args.prompt_words, pid)
-            print(json.dumps(asyncio.run(result)), flush=True)
+            for name, extra in variants:
+                result = level(url, clients, args.seconds, args.max_tokens, args.prompt_words, pid, name, extra)
+                print(json.dumps(asyncio.run(result)), flush=True)
     finally:
         if proc is not None:
             proc.terminate()
