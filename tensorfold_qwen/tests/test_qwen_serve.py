@@ -49,3 +49,30 @@ def test_explain_prices_the_default_config_from_config_json(tmp_path):
     assert plan["bytes_per_token"] == 32768
     assert abs(plan["fixed_bytes_per_stream"] / 2**20 - 49.1) < 0.1
     assert plan["weights_bytes"] is None and plan["refusals"] == []
+
+
+def test_reasoning_and_a_qwen3_coder_call_are_split_out(base):
+    """The family's chat format through the server: text in its think block is reasoning, and a call in its
+    qwen3_coder format after it is a tool call; a regex makes the random model write both, streamed and not."""
+    c = openai_client(base)
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+    written = r"<think>\nThe user wants a word\.\n</think>\n\nLooking\.\n<tool_call>\n<function=lookup>\n" \
+              r"<parameter=word>\ntide\n</parameter>\n</function>\n</tool_call>"
+    fields = {"model": c.models.list().data[0].id, "messages": [{"role": "user", "content": "Define tide"}],
+              "tools": [tool], "max_tokens": 120, "temperature": 0,
+              "extra_body": {"guided_regex": written, "chat_template_kwargs": {"enable_thinking": False}}}
+    choice = c.chat.completions.create(**fields).choices[0]
+    message = choice.message
+    assert message.model_extra["reasoning_content"].strip() == "The user wants a word."
+    assert message.content.strip() == "Looking." and choice.finish_reason == "tool_calls"
+    (call,) = message.tool_calls
+    assert call.function.name == "lookup" and json.loads(call.function.arguments) == {"word": "tide"}
+    reasoning, content, pieces = [], [], []
+    for chunk in c.chat.completions.create(stream=True, **fields):
+        delta = chunk.choices[0].delta
+        reasoning += [delta.model_extra.get("reasoning_content") or ""]
+        content += [delta.content or ""]
+        pieces += [part.function.arguments or "" for part in delta.tool_calls or ()]
+    assert "".join(reasoning).strip() == "The user wants a word." and "".join(content).strip() == "Looking."
+    assert json.loads("".join(pieces)) == {"word": "tide"}

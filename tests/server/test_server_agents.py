@@ -150,3 +150,28 @@ def test_litellm_tools(server, model):
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+
+
+def test_an_auto_call_in_the_reply_is_parsed_streamed_and_not(client, model):
+    """tool_choice auto: the parser reads calls out of whatever the model writes; a regex makes this random model
+    write one (the family's hermes format) after a little text, so the path a real model takes is the one run."""
+    written = r'Let me check\.\n<tool_call>\n\{"name": "weather", "arguments": \{"city": "Oslo", "days": [1-7], ' \
+              r'"unit": "celsius"\}\}\n</tool_call>'
+    fields = {"tools": [WEATHER, TIME], "max_tokens": MAX, "temperature": 0, "extra_body": {"guided_regex": written}}
+    reply = client.chat.completions.create(model=model, messages=ASK, **fields)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "Let me check."
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "weather" and arguments["city"] == "Oslo" and 1 <= arguments["days"] <= 7
+    jsonschema.validate(arguments, WEATHER_PARAMS)
+    content, names, pieces, finish = [], [], [], None
+    for chunk in client.chat.completions.create(model=model, messages=ASK, stream=True, **fields):
+        delta = chunk.choices[0].delta
+        content += [delta.content] if delta.content else []
+        for part in delta.tool_calls or ():
+            names += [part.function.name] if part.function.name else []
+            pieces.append(part.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(content).strip() == "Let me check." and names == ["weather"] and finish == "tool_calls"
+    assert json.loads("".join(pieces)) == arguments
