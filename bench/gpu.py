@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tensorfold.engine.graphs import DecodeRunner
+from tensorfold.engine.graphs import DecodeRunner, has_decode
 from tensorfold.kv import PagedStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
@@ -42,6 +42,20 @@ SHAPES = {
                           "vocab_size": 1024, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                           "shared_expert_intermediate_size": 64}),
 }
+try:  # Nemotron-H's real shapes, as its family states them (tensorfold_nemotron/shapes.py), when it is installed
+    from tensorfold_nemotron.shapes import SHAPES as NEMOTRON
+
+    SHAPES |= {name: ("nemotron", "NemotronHConfig", "NemotronHForCausalLM",
+                      {k: v for k, v in config.items() if k not in ("model_type", "architectures")})
+               for name, config in NEMOTRON.items()}
+    SHAPES["nemotron_h-tiny"] = ("nemotron", "NemotronHConfig", "NemotronHForCausalLM", {
+        **SHAPES["nemotron_h-30b-a3b"][3], "hidden_size": 128, "hybrid_override_pattern": "MEM*E-",
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "mamba_num_heads": 8,
+        "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "intermediate_size": 256, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 128,
+        "vocab_size": 1024})
+except ImportError:
+    pass
 
 
 class TensorsCheckpoint:
@@ -152,8 +166,11 @@ def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int, gr
     for slot in range(batch):
         for a in range(0, prompt, chunk):
             ours.forward(StepPlan((StreamStep(slot, a, tokens[slot][a: a + chunk]),)), store)
-    runner = DecodeRunner(ours, store, (batch,), context, graphs=graphs)
-    runner.capture()
+    if has_decode(ours):
+        runner = DecodeRunner(ours, store, (batch,), context, graphs=graphs)
+        runner.capture()
+    else:  # a family without a tensor-only decode: its forward, eagerly, as the engine would run it
+        runner = ours
     position = [prompt]
 
     def step() -> None:  # each stream feeds its own tokens, so a MoE routes them as it routes a real batch's
@@ -178,7 +195,7 @@ def bytes_per_step(hf, config, batch_one: bool = True) -> int:
     embed = hf.get_input_embeddings().weight
     if embed.data_ptr() != hf.get_output_embeddings().weight.data_ptr():
         total -= embed.numel() * embed.element_size()
-    experts = getattr(config, "num_experts", 0)
+    experts = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
     if experts:
         expert_bytes = sum(p.numel() * p.element_size() for name, p in hf.named_parameters() if ".experts." in name)
         total -= expert_bytes * (experts - config.num_experts_per_tok) // experts
