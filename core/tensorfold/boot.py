@@ -266,7 +266,7 @@ def memory_plan(settings: Settings, layout: Layout, checkpoint: Checkpoint, devi
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         budget = default_budget(device.type, checkpoint.weight_bytes(dtype) if checkpoint.shards() else 0, free)
     page_rows = settings.page_rows if settings.switch("TF_KV_PAGES") else settings.context
-    return plan_memory(layout, settings.context, page_rows, budget, settings.parallel)
+    return plan_memory(layout, settings.context, page_rows, budget, settings.parallel, settings.step_rows)
 
 
 def build_memory(plan: MemoryPlan, layout: Layout, settings: Settings, device: torch.device) -> StreamMemory:

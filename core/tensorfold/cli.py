@@ -48,8 +48,8 @@ StepRowsOpt = Annotated[int, typer.Option("--max-step-rows", "--max-num-batched-
                                                "streams (the oldest prefill's chunk always goes).")]
 MinChunkOpt = Annotated[int, typer.Option("--min-chunk", help="A request start closer than N rows to the previous "
                                           "prefill cut merges into it (with the family's request-starts switch).")]
-ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at once: N, or auto (as many as fit, "
-                                          "up to 8).")]
+ParallelOpt = Annotated[str, typer.Option("--parallel", help="Streams served at once: N, or auto (as many as the KV "
+                                          "budget holds at the full context, up to 256 and --max-step-rows).")]
 PageRowsOpt = Annotated[int, typer.Option("--page-rows", help="Rows (tokens) per KV page.")]
 KvGibOpt = Annotated[float | None, typer.Option("--kv-gib", help="KV budget in GiB (default: what the device "
                                                    "leaves after weights and a reserve).")]

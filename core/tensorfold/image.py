@@ -133,13 +133,14 @@ def put_back(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat) -> Non
         raise ValueError(f"image is {image.format} v{image.version}, this family writes {fmt.name} v{fmt.version}")
     if image.digest != layout_digest(kv.layout):
         raise ValueError("image was made for another Layout")
+    targets = [(i, name, kv.fixed(i, name, slot)) for i, name in fmt.own]
+    need = sum(target.numel() * target.element_size() for _, _, target in targets)
+    if need != len(image.own):
+        raise ValueError(f"image own part is {len(image.own)} bytes, the format needs {need}")
     kv.clear(slot)
     offset = 0
-    for i, name in fmt.own:
-        target = kv.fixed(i, name, slot)
+    for i, name, target in targets:
         size = target.numel() * target.element_size()
-        target.copy_(_from_bytes(image.own[offset: offset + size], target))
+        kv.write_fixed(i, name, slot, _from_bytes(image.own[offset: offset + size], target))
         offset += size
-    if offset != len(image.own):
-        raise ValueError(f"image own part is {len(image.own)} bytes, the format needs {offset}")
     put_rows(kv, slot, image.rows, image.at, RowsTable.of(kv, fmt.rows))

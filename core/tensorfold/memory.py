@@ -7,8 +7,14 @@ from collections.abc import Sequence
 import attrs
 
 from tensorfold.kv import KvStore, PagedStore
+from tensorfold.layout import Layout
 from tensorfold.pool.pages import Lease, PagePool
 from tensorfold.pool.slots import SlotPool
+
+
+def has_rows(layout: Layout) -> bool:
+    """Whether any layer declares a row state: only then does a stream need pages."""
+    return any(layer.rows for layer in layout.layers)
 
 
 @attrs.frozen
@@ -20,14 +26,18 @@ class Claim:
 
 
 class StreamMemory:
-    """Admission's view of memory: whether a stream fits, and taking and returning what it holds."""
+    """Admission's view of memory: whether a stream fits, and taking and returning what it holds.
+
+    A Layout without row states (a pure recurrent model: conv tails and SSM states only) has nothing to put in
+    pages, so its streams lease none, its kept states hold none and nothing is evicted for them: the pool is
+    dropped and a stream costs a slot alone."""
 
     def __init__(self, kv: KvStore, slots: SlotPool, pool: PagePool | None) -> None:
         if isinstance(kv, PagedStore) != (pool is not None):
             raise ValueError("a PagedStore needs a PagePool, a window store none")
         self.kv = kv
         self.slots = slots
-        self.pool = pool
+        self.pool = pool if has_rows(kv.layout) else None
 
     def fits(self, rows: int, shared: int = 0, forks: Sequence[int] = ()) -> bool:
         """A free slot and, with pages on, the pages `rows` rows need beyond `shared` pages already held; with
@@ -83,7 +93,7 @@ class StreamMemory:
         self.extend(dst, at)
         for i, layer in enumerate(kv.layout.layers):
             for spec in layer.fixed:
-                kv.fixed(i, spec.name, dst.slot).copy_(kv.fixed(i, spec.name, src.slot))
+                kv.write_fixed(i, spec.name, dst.slot, kv.fixed(i, spec.name, src.slot))
             for spec in layer.rows:
                 entries = kv.rows(i, spec.name, src.slot, at)
                 if entries.shape[0]:

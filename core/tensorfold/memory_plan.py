@@ -1,9 +1,10 @@
 """The memory plan: how many streams and pages fit the KV budget, priced from the family's Layout alone.
 
     page bytes      = Σ layers Σ row states (page_rows / every) · entry bytes
-    window pages    = ⌈context / page_rows⌉            (what one stream can reach)
+    window pages    = ⌈context / page_rows⌉            (what one stream can reach; 0 without row states)
     one stream      = window pages · page bytes + fixed bytes per stream
-    pages           = min(⌊(budget − parallel · fixed) / page bytes⌋, parallel · window pages)
+    parallel (auto) = min(⌊budget / one stream⌋, AUTO_PARALLEL_MAX, --max-step-rows)
+    pages           = min(⌊(budget − parallel · fixed) / page bytes⌋, parallel · window pages)   (0 without rows)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import attrs
 from tensorfold.layout import Layout
 
 GIB = 2**30
-AUTO_PARALLEL_CAP = 8
+AUTO_PARALLEL_MAX = 256  # the largest decode batch engine/graphs.py captures (and vLLM's default max_num_seqs)
 CPU_BUDGET_SHARE = 0.25
 CUDA_RESERVE_BYTES = 2 * GIB
 HOST_CACHE_SHARE = 0.25  # of MemAvailable: the host tier's default budget
@@ -37,8 +38,8 @@ class MemoryPlan:
 
     @property
     def window_pages(self) -> int:
-        """Pages one stream at the full context holds."""
-        return -(-self.context // self.page_rows)
+        """Pages one stream at the full context holds (none when pages hold nothing: no row states)."""
+        return -(-self.context // self.page_rows) if self.page_bytes else 0
 
     @property
     def stream_bytes(self) -> int:
@@ -92,15 +93,21 @@ def default_host_cache(meminfo: Path = MEMINFO) -> int:
     return int(available_ram(meminfo) * HOST_CACHE_SHARE)
 
 
-def plan_memory(layout: Layout, context: int, page_rows: int, budget_bytes: int,
-                parallel: int | None) -> tuple[MemoryPlan | None, list[str]]:
-    """The plan for `parallel` streams (None: as many as fit, up to 8), or the refusals that say why not."""
+def auto_parallel(fits: int, step_rows: int | None = None) -> int:
+    """`--parallel auto`: every stream the budget holds at the full context, bounded by the largest decode batch
+    captured as a CUDA graph and by the rows one step carries (each decoding stream takes one)."""
+    return min(fits, AUTO_PARALLEL_MAX, step_rows if step_rows is not None else AUTO_PARALLEL_MAX)
+
+
+def plan_memory(layout: Layout, context: int, page_rows: int, budget_bytes: int, parallel: int | None,
+                step_rows: int | None = None) -> tuple[MemoryPlan | None, list[str]]:
+    """The plan for `parallel` streams (None: `auto_parallel`), or the refusals that say why not."""
     per_page = page_bytes(layout, page_rows)
-    window = -(-context // page_rows)
+    window = -(-context // page_rows) if per_page else 0
     stream = window * per_page + layout.fixed_bytes
-    fits = budget_bytes // stream if stream else AUTO_PARALLEL_CAP
+    fits = budget_bytes // stream if stream else AUTO_PARALLEL_MAX
     if parallel is None:
-        parallel = min(AUTO_PARALLEL_CAP, fits)
+        parallel = auto_parallel(fits, step_rows)
         if parallel < 1:
             return None, [f"one stream needs {size(stream)} of KV at --context {context}, the budget is "
                           f"{size(budget_bytes)}: lower --context or raise --kv-gib"]
@@ -108,9 +115,9 @@ def plan_memory(layout: Layout, context: int, page_rows: int, budget_bytes: int,
         return None, [f"--parallel {parallel} needs {size(parallel * stream)} of KV at --context {context}, "
                       f"the budget is {size(budget_bytes)}: serve --parallel {max(fits, 1)} or lower "
                       f"--context" + ("" if fits else " (not even one stream fits)")]
-    pages = parallel * window
+    pages = 0
     if per_page:
-        pages = min(pages, (budget_bytes - parallel * layout.fixed_bytes) // per_page)
+        pages = max(1, min(parallel * window, (budget_bytes - parallel * layout.fixed_bytes) // per_page))
     plan = MemoryPlan(budget_bytes=budget_bytes, context=context, page_rows=page_rows, page_bytes=per_page,
-                      fixed_bytes=layout.fixed_bytes, parallel=parallel, pages=max(pages, 1))
+                      fixed_bytes=layout.fixed_bytes, parallel=parallel, pages=pages)
     return plan, []

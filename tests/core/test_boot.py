@@ -45,7 +45,7 @@ def test_boot_builds_a_service(example, tiny_dir):
     assert loaded.service.model_name == "tiny" and loaded.service.context == 64
     assert loaded.service.request_starts and loaded.engine.scheduler.min_chunk == 100
     assert loaded.dtype == torch.float32 and loaded.engine.kv.page_rows == 256
-    assert loaded.engine.memory.slots.count == 8 and loaded.engine.kv.pages == 8
+    assert loaded.engine.memory.slots.count == 256 and loaded.engine.kv.pages == 256   # auto: what fits, up to 256
 
 
 def test_the_prompt_cache_is_on_by_default_off_at_zero_and_refused_below(example, tiny_dir):

@@ -28,7 +28,7 @@ def test_make_tiny_then_explain(tmp_path):
     assert plan["bytes_per_token"] == per_token and plan["fixed_bytes_per_stream"] == 0
     assert plan["stream_bytes_at_context"] == 1024 * per_token and plan["refusals"] == []
     assert plan["weights_bytes"] > 0
-    assert plan["memory"]["parallel"] == 8 and plan["memory"]["pages"] == 8 * 4
+    assert plan["memory"]["parallel"] == 256 and plan["memory"]["pages"] == 256 * 4   # auto: what fits, up to 256
     assert plan["memory"]["page_bytes"] == 256 * per_token
     text = RUNNER.invoke(app, ["explain", "--family", "example", "--model", str(tmp_path / "m")]).output
     assert "per token" in text and "attention" in text and "no refusals" in text

@@ -90,3 +90,25 @@ def test_format_problems_name_what_is_missing_or_unknown():
     assert "named twice" in problems and "(0, 'conv')" in problems and "(1, 'nope')" in problems
     assert "(1, 'pool')" in problems
     assert FMT.problems(LAYOUT) == []
+
+
+def test_an_own_part_of_the_wrong_length_is_refused_before_the_slot_is_touched():
+    import attrs
+
+    kv = filled(5)
+    image = read_out(kv, 0, 5, FMT)
+    kv.fixed(0, "s", 1).fill_(7.0)
+    with pytest.raises(ValueError, match=r"^image own part is 45 bytes, the format needs 46$"):
+        put_back(kv, 1, attrs.evolve(image, own=image.own[:-1]), FMT)
+    assert torch.equal(kv.fixed(0, "s", 1), torch.full((3, 3), 7.0))
+
+
+def test_a_float32_state_in_a_bf16_layout_round_trips_in_its_own_dtype():
+    """A fixed state may have another dtype than the model's: its bytes are its own dtype's, put back as they were."""
+    kv = filled(3)
+    state = kv.fixed(0, "s", 0)
+    state.copy_(torch.tensor([[1.0 + 2**-20, 2.0, 3.0]] * 3))          # not representable in bf16
+    image = read_out(kv, 0, 3, FMT)
+    put_back(kv, 1, image, FMT)
+    assert kv.fixed(0, "s", 1).dtype == torch.float32 and torch.equal(kv.fixed(0, "s", 1), state)
+    assert kv.fixed(0, "conv", 1).dtype == torch.bfloat16 and len(image.own) == 3 * 3 * 4 + 5 * 2

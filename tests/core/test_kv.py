@@ -107,3 +107,66 @@ def test_kernel_views_expose_pages_tables_and_slot_states():
     assert paged.fixed_states(0, "s").shape == (3, 2, 2)
     window = WindowStore(LAYOUT, slots=2, capacity=8)
     assert window.tables([1, 0]).tolist() == [[1], [0]] and window.row_pages(0, "k").shape == (2, 8, 2, 3)
+
+
+# -- states a family names: an undeclared one, or one of another dtype, is named where it is asked for -------------
+
+SSM = Layout([LayerLayout("ssm", fixed=[FixedState("conv", (6, 3), "bfloat16"), FixedState("ssm", (2, 4), "float32")]),
+              LayerLayout("attention", rows=[RowState("k", (2, 3), "bfloat16")])])
+
+
+@pytest.mark.parametrize("store", ["window", "paged"])
+def test_an_undeclared_state_names_the_layer_and_what_it_declares(store):
+    from tensorfold.kv import PagedStore
+    from tensorfold.kv.base import UndeclaredState
+
+    kv = WindowStore(SSM, slots=1, capacity=8) if store == "window" else PagedStore(SSM, slots=1, pages=2, page_rows=4)
+    with pytest.raises(UndeclaredState) as caught:
+        kv.fixed(1, "ssm", 0)
+    assert str(caught.value) == ("layer 1 (attention) declares no fixed state 'ssm': its fixed states are [], its "
+                                 "row states ['k'] (family_kv_layout)")
+    assert isinstance(caught.value, KeyError)
+    with pytest.raises(UndeclaredState, match=r"^layer 0 \(ssm\) declares no row state 'k': its fixed states are "
+                                              r"\['conv', 'ssm'\], its row states \[\] \(family_kv_layout\)$"):
+        kv.write_rows(0, "k", 0, 0, torch.zeros(1, 2, 3, dtype=torch.bfloat16))
+    with pytest.raises(UndeclaredState, match="layer 0 .ssm. declares no row state 'k'"):
+        kv.rows(0, "k", 0, 1)
+    with pytest.raises(IndexError, match=r"^layer 2: the Layout declares 2 layers \(0 \.\. 1\)$"):
+        kv.fixed_states(2, "ssm")
+
+
+def test_a_fixed_state_read_as_another_dtype_is_named():
+    kv = WindowStore(SSM, slots=2, capacity=8)
+    assert kv.fixed(0, "ssm", 1, dtype=torch.float32).dtype == torch.float32   # float32 in a bf16 model
+    with pytest.raises(TypeError, match=r"^layer 0 conv: the Layout declares torch.bfloat16, the family reads it as "
+                                        r"torch.float32$"):
+        kv.fixed(0, "conv", 0, dtype=torch.float32)
+    with pytest.raises(TypeError, match="layer 0 ssm: the Layout declares torch.float32, the family reads it as "
+                                        "torch.bfloat16"):
+        kv.fixed_states(0, "ssm", dtype=torch.bfloat16)
+
+
+def test_write_fixed_replaces_one_slot_and_never_casts():
+    kv = WindowStore(SSM, slots=2, capacity=8)
+    values = torch.randn(2, 4)
+    kv.write_fixed(0, "ssm", 1, values)
+    assert torch.equal(kv.fixed(0, "ssm", 1), values) and kv.fixed(0, "ssm", 0).abs().sum() == 0
+    with pytest.raises(TypeError, match=r"^layer 0 ssm: the Layout declares torch.float32, the family wrote "
+                                        r"torch.bfloat16$"):
+        kv.write_fixed(0, "ssm", 0, values.bfloat16())
+    with pytest.raises(ValueError, match=r"^layer 0 conv: the Layout declares shape \(6, 3\), the family wrote "
+                                         r"\(6, 4\)$"):
+        kv.write_fixed(0, "conv", 0, torch.zeros(6, 4, dtype=torch.bfloat16))
+    assert torch.equal(kv.fixed(0, "ssm", 0), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("store", ["window", "paged"])
+def test_rows_of_another_entry_shape_are_named(store):
+    from tensorfold.kv import PagedStore
+
+    kv = WindowStore(SSM, slots=1, capacity=8) if store == "window" else PagedStore(SSM, slots=1, pages=2, page_rows=4)
+    if store == "paged":
+        kv.bind(0, [1, 0])
+    with pytest.raises(ValueError, match=r"^layer 1 k: the Layout declares entries of shape \(2, 3\), the family "
+                                         r"wrote \[5, \*\(3, 2\)\]$"):
+        kv.write_rows(1, "k", 0, 0, torch.zeros(5, 3, 2, dtype=torch.bfloat16))

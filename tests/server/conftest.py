@@ -123,7 +123,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("a") as out:
         process = subprocess.Popen([sys.executable, "-m", "tensorfold", "serve", "--family", "example",
-                                    "--model", str(model_dir), "--port", str(port)],
+                                    "--model", str(model_dir), "--port", str(port), "--parallel", "8"],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -7,6 +7,13 @@ import torch
 from tensorfold.layout import DTYPES, Layout
 
 
+class UndeclaredState(KeyError):
+    """A family asked for a state its Layout does not declare; the message names the layer and what it declares."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class KvStore:
     """Row states by slot and position, fixed states by slot, as the Layout declares them.
 
@@ -33,13 +40,26 @@ class KvStore:
         """Store entries from entry index `start // every` on; the caller writes only complete entries."""
         raise NotImplementedError
 
-    def fixed(self, layer: int, name: str, slot: int) -> torch.Tensor:
-        """A fixed state of one slot, as a view the family updates in place."""
-        return self._fixed[layer][name][slot]
+    def fixed(self, layer: int, name: str, slot: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fixed state of one slot, as a view the family updates in place; with `dtype`, the dtype the family
+        computes it in, so a Layout declaring another one fails here, named, rather than deep in the family."""
+        return self.fixed_states(layer, name, dtype)[slot]
 
-    def fixed_states(self, layer: int, name: str) -> torch.Tensor:
-        """Every slot's fixed state [slots, *shape], for kernels that index it by slot."""
-        return self._fixed[layer][name]
+    def fixed_states(self, layer: int, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Every slot's fixed state [slots, *shape], for kernels that index it by slot (`dtype` as in `fixed`)."""
+        state = self._state(self._fixed, layer, name, "fixed")
+        if dtype is not None and dtype != state.dtype:
+            raise TypeError(f"layer {layer} {name}: the Layout declares {state.dtype}, the family reads it as {dtype}")
+        return state
+
+    def write_fixed(self, layer: int, name: str, slot: int, values: torch.Tensor, non_blocking: bool = False) -> None:
+        """Replace a slot's fixed state with `values` of its declared dtype and shape (never a silent cast)."""
+        state = self._state(self._fixed, layer, name, "fixed")
+        self._check(layer, name, values, state)
+        if tuple(values.shape) != tuple(state.shape[1:]):
+            raise ValueError(f"layer {layer} {name}: the Layout declares shape {tuple(state.shape[1:])}, the family "
+                             f"wrote {tuple(values.shape)}")
+        state[slot].copy_(values, non_blocking=non_blocking)
 
     def row_pages(self, layer: int, name: str) -> torch.Tensor:
         """A row state's storage as pages [pages, entries per page, *shape], for kernels that read through tables."""
@@ -73,6 +93,23 @@ class KvStore:
         """Bytes this store holds on its device."""
         raise NotImplementedError
 
-    def _check(self, layer: int, name: str, values: torch.Tensor, state: torch.Tensor) -> None:
+    def _check(self, layer: int, name: str, values: torch.Tensor, state: torch.Tensor, entries: bool = False) -> None:
+        """Values of the declared dtype (and, for row entries, of the declared entry shape), or a named error."""
         if values.dtype != state.dtype:
             raise TypeError(f"layer {layer} {name}: the Layout declares {state.dtype}, the family wrote {values.dtype}")
+        if entries and tuple(values.shape[1:]) != tuple(state.shape[2:]):
+            raise ValueError(f"layer {layer} {name}: the Layout declares entries of shape {tuple(state.shape[2:])}, "
+                             f"the family wrote [{values.shape[0]}, *{tuple(values.shape[1:])}]")
+
+    def _state(self, states: list[dict[str, torch.Tensor]], layer: int, name: str, kind: str) -> torch.Tensor:
+        """A declared state's tensor, or an error naming the layer and the states it does declare."""
+        if not 0 <= layer < len(states):
+            raise IndexError(f"layer {layer}: the Layout declares {len(states)} layers (0 .. {len(states) - 1})")
+        found = states[layer].get(name)
+        if found is None:
+            declared = self.layout.layers[layer]
+            raise UndeclaredState(
+                f"layer {layer} ({declared.kind}) declares no {kind} state {name!r}: its fixed states are "
+                f"{[s.name for s in declared.fixed]}, its row states {[s.name for s in declared.rows]} "
+                "(family_kv_layout)")
+        return found

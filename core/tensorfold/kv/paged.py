@@ -66,7 +66,7 @@ class PagedStore(KvStore):
 
     def row_pages(self, layer: int, name: str) -> torch.Tensor:
         """The pages of one row state: [pages, page_rows / every, *shape]."""
-        return self._pages[layer][name]
+        return self._state(self._pages, layer, name, "row")
 
     def tables(self, slots: list[int]) -> torch.Tensor:
         """The slots' page tables, padded with 0: int32 [len(slots), widest]."""
@@ -88,7 +88,7 @@ class PagedStore(KvStore):
 
     def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
         """Positions [0, end) gathered from the slot's pages into one tensor (a copy)."""
-        state = self._pages[layer][name]
+        state = self._state(self._pages, layer, name, "row")
         entries = end // self._every[layer][name]
         per_page = state.shape[1]
         used = -(-entries // per_page)
@@ -100,8 +100,8 @@ class PagedStore(KvStore):
 
     def write_rows(self, layer: int, name: str, slot: int, start: int, values: torch.Tensor) -> None:
         """Scatter entries into the slot's pages."""
-        state = self._pages[layer][name]
-        self._check(layer, name, values, state)
+        state = self._state(self._pages, layer, name, "row")
+        self._check(layer, name, values, state, entries=True)
         per_page = state.shape[1]
         table = self._table(slot)
         entry = torch.arange(values.shape[0], device=self.device) + start // self._every[layer][name]

@@ -29,12 +29,12 @@ class WindowStore(KvStore):
 
     def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
         """A view of the slot's window, positions [0, end)."""
-        return self._rows[layer][name][slot, : end // self._every[layer][name]]
+        return self._state(self._rows, layer, name, "row")[slot, : end // self._every[layer][name]]
 
     def write_rows(self, layer: int, name: str, slot: int, start: int, values: torch.Tensor) -> None:
         """Store entries into the slot's window."""
-        state = self._rows[layer][name]
-        self._check(layer, name, values, state)
+        state = self._state(self._rows, layer, name, "row")
+        self._check(layer, name, values, state, entries=True)
         first = start // self._every[layer][name]
         if first + values.shape[0] > state.shape[1]:
             raise IndexError(f"layer {layer} {name}: entries up to {first + values.shape[0]} exceed the window "
@@ -43,7 +43,7 @@ class WindowStore(KvStore):
 
     def row_pages(self, layer: int, name: str) -> torch.Tensor:
         """Each slot's window is one page: [slots, capacity entries, *shape]."""
-        return self._rows[layer][name]
+        return self._state(self._rows, layer, name, "row")
 
     def tables(self, slots: list[int]) -> torch.Tensor:
         """Slot s reads page s."""

@@ -40,8 +40,9 @@ class PagePool:
     """Hands out page ids; owns no tensors (the KvStore does), only the accounting."""
 
     def __init__(self, total: int, page_rows: int) -> None:
-        if total < 1 or page_rows < 1:
-            raise ValueError(f"a pool needs pages and rows per page, got {total} pages of {page_rows} rows")
+        if total < 0 or page_rows < 1:
+            raise ValueError(f"a pool needs rows per page and no fewer than 0 pages, got {total} pages of "
+                             f"{page_rows} rows")
         self.total = total
         self.page_rows = page_rows
         self._free = list(range(total - 1, -1, -1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -92,10 +93,10 @@ def run_chunks(model: FamilyModel, memory: StreamMemory, claim: Claim, tokens: t
 
 
 def room(memory: StreamMemory) -> int:
-    """Rows one stream can hold in this memory: the pool's pages, or one window."""
+    """Rows one stream can hold in this memory: the pool's pages, or one window; without row states, any."""
     if memory.pool is not None:
         return memory.pool.total * memory.pool.page_rows
-    return memory.kv.capacity
+    return getattr(memory.kv, "capacity", sys.maxsize)
 
 
 def probe_rows(memory: StreamMemory, min_chunk: int, prefill_chunk: int, context: int) -> int:

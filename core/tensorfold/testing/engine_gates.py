@@ -28,7 +28,7 @@ from tensorfold.memory import StreamMemory
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 from tensorfold.rows.store import RowsStore
-from tensorfold.testing.kit import Subject, prefill
+from tensorfold.testing.kit import Oracle, Recording, Subject, check_reference, prefill
 from tensorfold.tiers import DeviceTier, HostTier
 from tensorfold.tiers.disk import DiskTier
 
@@ -38,13 +38,16 @@ Turn = tuple[tuple[int, ...], tuple[int, ...], list[int], DoneEvent]  # prompt, 
 
 @attrs.frozen
 class Rig:
-    """The engine shape a family's gates run under: context rows, the prefill grid, page size, queue length."""
+    """The engine shape a family's gates run under: context rows, the prefill grid, page size, queue length; and
+    what a fresh reply is held to: the family's `oracle` (else a one-shot pass) within `tolerance` (kit)."""
 
     context: int = 256
     chunk: int = 32
     min_chunk: int = 8
     page_rows: int = 16
     max_waiting: int = 8
+    oracle: Oracle | None = attrs.field(default=None, eq=False)
+    tolerance: float | None = None
 
     def memory(self, subject: Subject, parallel: int = 2, pages: bool = True, total: int | None = None,
                poison: bool = True) -> StreamMemory:
@@ -65,12 +68,23 @@ class Rig:
 
     def fresh(self, subject: Subject, prompt: Sequence[int], sampling: Sampling,
               starts: Sequence[int] = ()) -> list[int]:
-        """The reply every resumed or concurrent run must equal: the request alone on a fresh engine, no cache."""
-        eng = self.engine(subject, self.memory(subject))
+        """The reply every resumed or concurrent run must equal: the request alone on a fresh engine, no cache;
+        itself the reference's (`check_reply`), so a state wrong the same way in every run still shows."""
+        recording = Recording(subject.model)
+        eng = self.engine(attrs.evolve(subject, model=recording), self.memory(subject))
         with running(eng):
             client = Client("fresh", tuple(prompt), sampling, tuple(starts))
             assert ask(eng, client).cached_tokens == 0
-            return client.tokens
+        self.check_reply(subject, prompt, client.tokens, recording.rows)
+        return client.tokens
+
+    def check_reply(self, subject: Subject, prompt: Sequence[int], reply: Sequence[int],
+                    rows: Sequence[torch.Tensor]) -> None:
+        """An engine's logits for a reply (after the prompt, after each reply token but the last) are the oracle's,
+        else a one-shot pass's, within the tolerance (kit.check_reference)."""
+        if reply:
+            check_reference(subject, prompt, reply[:-1], rows[:len(reply)], self.oracle, self.tolerance,
+                            f"a fresh engine's reply to a {len(prompt)}-token prompt")
 
     def cold(self, subject: Subject, prompt: Sequence[int], cuts: Sequence[int], at: int) -> KvStore:
         """A fresh poisoned store after a prefill of prompt[:at] cut at `cuts` (the cold pass's own)."""
@@ -218,8 +232,14 @@ def serve_all(subject: Subject, rig: Rig, requests: Sequence[tuple[tuple[int, ..
 
 
 def alone(subject: Subject, rig: Rig, requests: Sequence[tuple[tuple[int, ...], Sampling]]) -> list[list[int]]:
-    """Each request's reply served on its own."""
-    return [serve_all(subject, rig, [request], 1)[0] for request in requests]
+    """Each request's reply served on its own, held to the reference (Rig.check_reply)."""
+    replies = []
+    for prompt, sampling in requests:
+        recording = Recording(subject.model)
+        reply = serve_all(attrs.evolve(subject, model=recording), rig, [(prompt, sampling)], 1)[0]
+        rig.check_reply(subject, prompt, reply, recording.rows)
+        replies.append(reply)
+    return replies
 
 
 def check_concurrent_equals_solo(subject: Subject, rig: Rig, requests: Sequence[tuple[tuple[int, ...], Sampling]],
@@ -253,7 +273,7 @@ def check_device_resume(subject: Subject, rig: Rig, sampling: Sampling, tokens: 
         previous = len(prompt)
     assert tier.hits == len(users) - 1
     check_memory(mem, (tier,))
-    if pages:
+    if pages and mem.pool is not None:   # a Layout without row states holds no pages (StreamMemory)
         assert mem.pool.kept > 0
     if inspect is not None:
         inspect(mem, tier, chat.turns)

@@ -2,7 +2,7 @@
 
     from tensorfold.testing.fixtures import one_thread, own_cwd  # noqa: F401  (imported fixtures are active)
 
-Only tests import this module: it needs pytest, which the core does not depend on.
+Only tests import this module: it needs pytest, which `pip install 'tensorfold[testing]'` brings.
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
+
+from tensorfold.testing.extras import need
+
+pytest = need("pytest", __name__)
 
 
 @pytest.fixture(autouse=True)

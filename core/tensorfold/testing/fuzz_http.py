@@ -1,7 +1,7 @@
 """Fuzz cases sent to a real server and each answer judged: never a 5xx, every refusal in OpenAI's envelope, and
 an engine that still answers, exactly as before, once the fuzz is over.
 
-Only tests and benchmarks import this module: it needs httpx, a test extra.
+Only tests and benchmarks import this module: it needs httpx, which `pip install 'tensorfold[testing]'` brings.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import attrs
-import httpx
 
+from tensorfold.testing.extras import need
 from tensorfold.testing.fuzz import Case
+
+httpx = need("httpx", __name__)
 
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 HANG_UP_S = 0.05          # how long a case that hangs up before any answer waits first

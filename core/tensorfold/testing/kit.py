@@ -4,12 +4,18 @@ Each check raises AssertionError with the numbers when the family breaks a contr
 measured so a test can print it. The kit drives the family exactly as the engine does: StepPlans on the
 absolute grid, memory through a KvStore (poisoned, so a read of an unwritten row shows up as NaN). `every_row` and
 `greedy` drive a bare model the same way, for comparing it with a reference such as HF transformers.
+
+A run compared only with itself proves nothing about a state that is wrong the same way every time (a conv tail
+never updated, a float32 state rounded to bf16 between steps): resumed and fresh agree, both wrong. So every run the
+resume checks (and the engine gates) take as the truth is itself held to a reference: the family's `oracle`
+(every position's logits of a token sequence, e.g. HF transformers) when it gives one, else a one-shot pass
+(the whole prompt in one step, then the same tokens fed one per step), within `tolerance`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +29,11 @@ from tensorfold.image import StateImage, put_back, read_out
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.settings import Settings
+
+Oracle = Callable[[Sequence[int]], torch.Tensor]   # tokens -> float32 logits of every position [len(tokens), V]
+# max-abs |Δlogit| a run may differ from its reference by when no tolerance is given, by the model's dtype; a dtype
+# not named compares only when given a tolerance (bf16 chunking rounds differently, by a family's own measure)
+REFERENCE_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4}
 
 
 @attrs.frozen
@@ -115,6 +126,68 @@ def greedy(model: FamilyModel, kv: KvStore, tokens: Sequence[int], steps: int, s
     return out
 
 
+class Recording:
+    """A family model that keeps each sampled row's logits as it serves (one stream at a time), so an engine's
+    reply can be held to a reference (`check_reference`); everything else is the model's own."""
+
+    def __init__(self, inner: FamilyModel) -> None:
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+        self.rows: list[torch.Tensor] = []
+
+    def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
+        out = self.inner.forward(plan, kv)
+        row = 0
+        for share in plan.streams:
+            rows = getattr(share, "logit_rows", int(share.sample))
+            if share.sample:
+                self.rows.append(out[row + rows - 1].detach().float().cpu().clone())
+            row += rows
+        return out
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def reference_logits(subject: Subject, tokens: Sequence[int], fed: Sequence[int],
+                     oracle: Oracle | None = None) -> torch.Tensor:
+    """The logits of positions len(tokens) - 1 .. len(tokens) - 1 + len(fed) when `fed` follows the prompt:
+    [len(fed) + 1, V] from the oracle, or from a one-shot pass (the prompt in one step, then `fed` one per step)."""
+    if oracle is not None:
+        every = oracle([*tokens, *fed]).float().cpu()
+        assert every.shape[0] == len(tokens) + len(fed), (
+            f"the oracle gave {every.shape[0]} rows for {len(tokens) + len(fed)} tokens")
+        return every[len(tokens) - 1:]
+    kv = subject.store(1, len(tokens) + len(fed) + 1)
+    rows = [prefill(subject, kv, 0, tokens, 0, len(tokens), [])]
+    for position, token in enumerate(fed, start=len(tokens)):
+        rows.append(subject.model.forward(StepPlan((StreamStep(0, position, (token,)),)), kv)[0])
+    return torch.stack(rows).float().cpu()
+
+
+def check_reference(subject: Subject, tokens: Sequence[int], fed: Sequence[int], logits: torch.Tensor | Sequence,
+                    oracle: Oracle | None = None, tolerance: float | None = None,
+                    what: str = "the run") -> float | None:
+    """A run's logits (after the prompt, then after each of `fed`) are the reference's within `tolerance`
+    (default REFERENCE_TOLERANCE by dtype). Returns the largest difference, None when there is no tolerance."""
+    if tolerance is None:
+        tolerance = REFERENCE_TOLERANCE.get(subject.dtype)
+    if tolerance is None:
+        return None
+    got = torch.stack(list(logits)) if not isinstance(logits, torch.Tensor) else logits
+    got = got.float().cpu()
+    want = reference_logits(subject, tokens, fed, oracle)
+    assert got.shape == want.shape, f"{what}: {tuple(got.shape)} logits, the reference has {tuple(want.shape)}"
+    gaps = (got - want).abs().amax(dim=-1)
+    worst = float(gaps.max())
+    if not worst <= tolerance:
+        first = int((~(gaps <= tolerance)).nonzero()[0])
+        source = "the oracle" if oracle is not None else "a one-shot pass"
+        raise AssertionError(f"{what}: logits differ from {source} by {worst:.3e} > {tolerance:.1e}, first at "
+                             f"position {len(tokens) - 1 + first} (a state kept wrong the same way on both sides?)")
+    return worst
+
+
 def check_declarations(family: Family, directory: Path, dtype: torch.dtype = torch.float32) -> Declarations:
     """The family's declarations are valid for its checkpoint, and its default settings are not refused."""
     checkpoint = Checkpoint(directory)
@@ -128,9 +201,11 @@ def check_declarations(family: Family, directory: Path, dtype: torch.dtype = tor
     return found
 
 
-def check_resume_bitwise(subject: Subject, tokens: Sequence[int], at: int, chunk: int, steps: int = 8) -> int:
+def check_resume_bitwise(subject: Subject, tokens: Sequence[int], at: int, chunk: int, steps: int = 8,
+                         oracle: Oracle | None = None, tolerance: float | None = None) -> int:
     """State read out at `at` → image bytes → put back in another slot → continue is bit-identical to not
-    stopping; the restored state's image is byte-equal to the kept one. Returns the image's size in bytes."""
+    stopping; the restored state's image is byte-equal to the kept one; and the run that did not stop is the
+    reference's (`check_reference`: the oracle, else a one-shot pass). Returns the image's size in bytes."""
     assert 0 < at < len(tokens), f"at={at} must fall inside the {len(tokens)}-token prompt"
     capacity = len(tokens) + steps + 1
     kv = subject.store(2, capacity)
@@ -149,6 +224,8 @@ def check_resume_bitwise(subject: Subject, tokens: Sequence[int], at: int, chunk
     assert resumed_tokens == fresh_tokens, f"resumed tokens {resumed_tokens} != fresh {fresh_tokens}"
     for step, (a, b) in enumerate(zip(fresh_logits, resumed_logits, strict=True)):
         assert torch.equal(a, b), f"step {step}: resumed logits differ from fresh by {(a - b).abs().max():.3e}"
+    check_reference(subject, tokens, fresh_tokens, fresh_logits, oracle, tolerance,
+                    f"the run kept at {at} (chunks of {chunk})")
     layout = subject.declarations.layout
     assert len(kept.own) + len(kept.rows) == layout.stream_bytes(at), (
         f"kept bytes {len(kept.own) + len(kept.rows)} != Layout's {layout.stream_bytes(at)} at {at} rows")
@@ -156,9 +233,9 @@ def check_resume_bitwise(subject: Subject, tokens: Sequence[int], at: int, chunk
 
 
 def check_chunked(subject: Subject, tokens: Sequence[int], cuts: Sequence[int], tolerance: float,
-                  steps: int = 8) -> float:
-    """Prefill cut at `cuts` vs one shot: final logits within `tolerance` (max-abs) and the same greedy tokens.
-    Returns the largest difference seen."""
+                  steps: int = 8, oracle: Oracle | None = None) -> float:
+    """Prefill cut at `cuts` vs one shot: final logits within `tolerance` (max-abs) and the same greedy tokens;
+    with an `oracle`, the one-shot run is its within `tolerance` too. Returns the largest difference seen."""
     kv = subject.store(2, len(tokens) + steps + 1)
     one = prefill(subject, kv, 0, tokens, 0, len(tokens), [])
     cut = prefill(subject, kv, 1, tokens, 0, len(tokens), cuts)
@@ -168,6 +245,8 @@ def check_chunked(subject: Subject, tokens: Sequence[int], cuts: Sequence[int], 
     assert torch.isfinite(one).all(), "one-shot logits are not finite"
     assert worst <= tolerance, f"chunked vs one-shot differ by {worst:.3e} > {tolerance:.1e}"
     assert cut_tokens == one_tokens, f"chunked tokens {cut_tokens} != one-shot {one_tokens}"
+    if oracle is not None:
+        check_reference(subject, tokens, one_tokens, one_logits, oracle, tolerance, "the one-shot run")
     return worst
 
 

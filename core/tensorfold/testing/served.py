@@ -1,14 +1,16 @@
 """What a family's tests ask of a real `tensorfold serve` (process.serving): the openai client's view of chat and
 completions, and seeded chat turns of one conversation, to compare a resumed server's replies with a fresh one's.
 
-Only tests import this module: it needs httpx and openai, the test extras.
+Only tests import this module: it needs httpx and openai, which `pip install 'tensorfold[testing]'` brings.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import httpx
+from tensorfold.testing.extras import need
+
+httpx = need("httpx", __name__)
 
 if TYPE_CHECKING:
     import openai
@@ -22,8 +24,7 @@ Messages = list[dict[str, Any]]
 
 def openai_client(url: str) -> openai.OpenAI:
     """The real openai client on a server's base URL, failing at once rather than retrying."""
-    import openai
-
+    openai = need("openai", __name__)
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 

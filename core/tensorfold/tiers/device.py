@@ -148,7 +148,7 @@ class DeviceTier(Tier[KeptState]):
         if claim.lease is not None and tuple(claim.lease.pages[: len(state.pages)]) != state.pages:
             raise ValueError("the claim does not start with the kept state's pages")
         for i, name, tensor in state.fixed:
-            kv.fixed(i, name, claim.slot).copy_(tensor)
+            kv.write_fixed(i, name, claim.slot, tensor)
         self.memory.extend(claim, state.at)
         for i, name, tensor in state.tail:
             if tensor.shape[0]:
@@ -168,6 +168,12 @@ class DeviceTier(Tier[KeptState]):
             if state.tail_start != len(state.pages) * (self.page_rows or 0) or state.at != len(state.tokens):
                 raise PoolCorrupt(f"a state kept at {state.at} holds {len(state.pages)} pages from row "
                                   f"{state.tail_start}")
+            for i, name, tensor in state.fixed:
+                held = self.memory.kv.fixed_states(i, name)
+                if (tuple(tensor.shape), tensor.dtype) != (tuple(held.shape[1:]), held.dtype):
+                    raise PoolCorrupt(f"a state kept at {state.at} copies fixed {i} {name!r} as "
+                                      f"{tuple(tensor.shape)} {tensor.dtype}, the Layout declares "
+                                      f"{tuple(held.shape[1:])} {held.dtype}")
             for i, name, tensor in state.tail:
                 every = next(s.every for s in layers[i].rows if s.name == name)
                 if tensor.shape[0] != state.at // every - state.tail_start // every:

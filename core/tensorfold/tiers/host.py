@@ -161,7 +161,7 @@ class HostTier(Tier[HostState]):
         if claim.lease is not None and claim.lease.pages:
             raise ValueError("a host state is restored into a claim that shares no pages")
         for i, name, host in state.fixed:
-            kv.fixed(i, name, claim.slot).copy_(host, non_blocking=self.pin)
+            kv.write_fixed(i, name, claim.slot, host, non_blocking=self.pin)
         self.memory.extend(claim, state.at)
         for i, name, host in state.rows:
             spec = self._specs[i, name]
@@ -213,8 +213,11 @@ class HostTier(Tier[HostState]):
                     raise PoolCorrupt(f"a host state at {state.at} holds layer {i} {name!r} as {tuple(tensor.shape)} "
                                       f"on {tensor.device}")
             for i, name, tensor in state.fixed:
-                if tuple(tensor.shape) != fixed[i, name].shape or tensor.device.type != "cpu":
-                    raise PoolCorrupt(f"a host state at {state.at} holds fixed {i} {name!r} as {tuple(tensor.shape)}")
+                spec = fixed[i, name]
+                declared = (spec.shape, DTYPES[spec.dtype])
+                if (tuple(tensor.shape), tensor.dtype) != declared or tensor.device.type != "cpu":
+                    raise PoolCorrupt(f"a host state at {state.at} holds fixed {i} {name!r} as {tuple(tensor.shape)} "
+                                      f"{tensor.dtype}, the Layout declares {spec.shape} {DTYPES[spec.dtype]}")
             if state.nbytes != self.state_bytes(state.at) or state.at != len(state.tokens):
                 raise PoolCorrupt(f"a host state at {state.at} holds {state.nbytes} bytes, its rows need "
                                   f"{self.state_bytes(state.at)}")

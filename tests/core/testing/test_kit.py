@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -95,3 +96,46 @@ def test_every_row_in_pieces_matches_one_shot_and_greedy_follows_its_last_row(su
     longer = [*PROMPT, *tokens[:3]]
     rows = kit.every_row(model, subject.store(1, len(longer)), longer, cuts=[])
     assert [int(row.argmax()) for row in rows[len(PROMPT) - 1:]] == tokens
+
+
+def oracle_of(subject, shift: float = 0.0):
+    """The example's every-row forward on a fresh store, one shot: what HF transformers would give (plus `shift`)."""
+    def oracle(tokens):
+        return kit.every_row(subject.model, subject.store(1, len(tokens)), list(tokens), cuts=[]) + shift
+    return oracle
+
+
+def test_a_run_is_held_to_the_oracle_when_the_kit_is_given_one(subject):
+    kit.check_resume_bitwise(subject, PROMPT, at=32, chunk=16, oracle=oracle_of(subject))
+    with pytest.raises(AssertionError, match=r"^the run kept at 32 \(chunks of 16\): logits differ from the oracle "
+                                             r"by 1\.00\de-03 > 1\.0e-04, first at position 69 "):
+        kit.check_resume_bitwise(subject, PROMPT, at=32, chunk=16, oracle=oracle_of(subject, 1e-3))
+    kit.check_resume_bitwise(subject, PROMPT, at=32, chunk=16, oracle=oracle_of(subject, 1e-3), tolerance=2e-3)
+    with pytest.raises(AssertionError, match="^the one-shot run: logits differ from the oracle by .*, first at "
+                                             "position 69 "):
+        kit.check_chunked(subject, PROMPT, cuts=[10], tolerance=1e-4, oracle=oracle_of(subject, 1e-3))
+
+
+def test_without_an_oracle_a_run_is_held_to_a_one_shot_pass_in_float32_only(subject):
+    fed = [5, 6, 7]
+    one_shot = kit.reference_logits(subject, PROMPT, fed)
+    rows = kit.every_row(subject.model, subject.store(1, len(PROMPT) + 3), [*PROMPT, *fed], cuts=[])
+    assert one_shot.shape == (4, subject.model.vocab_size)
+    assert float((one_shot - rows[len(PROMPT) - 1:]).abs().max()) <= 1e-5
+    assert kit.check_reference(subject, PROMPT, fed, one_shot) == 0.0
+    assert kit.REFERENCE_TOLERANCE == {torch.float32: 1e-4}
+    bf16 = attrs.evolve(subject, dtype=torch.bfloat16)
+    assert kit.check_reference(bf16, PROMPT, fed, one_shot + 1.0) is None    # bf16: only with a tolerance
+
+
+def test_the_engine_gates_hold_a_fresh_reply_to_the_oracle(subject):
+    from tensorfold.engine.api import Sampling
+    from tensorfold.testing.engine_gates import Rig
+
+    sampling = Sampling(temperature=0.0, max_tokens=4)
+    good = Rig(context=128, chunk=16, oracle=oracle_of(subject))
+    assert len(good.fresh(subject, PROMPT[:40], sampling)) == 4
+    bad = Rig(context=128, chunk=16, oracle=oracle_of(subject, 1e-3))
+    with pytest.raises(AssertionError, match="^a fresh engine's reply to a 40-token prompt: logits differ from the "
+                                             "oracle by .*, first at position 39 "):
+        bad.fresh(subject, PROMPT[:40], sampling)

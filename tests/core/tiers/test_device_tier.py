@@ -160,3 +160,26 @@ def test_admission_evicts_kept_states_only_when_that_lets_the_lease_fit():
     scheduler.finish(stream)
     memory.release(hog)
     assert memory.pool.free == memory.pool.total
+
+
+@pytest.mark.parametrize("make", [paged, windowed], ids=["pages", "windows"])
+def test_a_fixed_copy_of_another_dtype_is_named_not_cast(make):
+    """A kept fixed state goes back through KvStore.write_fixed: a copy of the wrong dtype names the layer, the
+    state and both dtypes at restore and in the tier's integrity check, instead of being cast silently."""
+    memory = make()
+    tier = DeviceTier(memory, budget=1 << 30)
+    source = memory.take("source", 40)
+    fill(memory, source, 16, seed=1)
+    state = tier.snapshot(source, tuple(range(16)), (16,))
+    assert tier.keep(state)
+    (i, name, copy), = state.fixed
+    state.fixed = ((i, name, copy.double()),)
+    with pytest.raises(PoolCorrupt, match=r"^a state kept at 16 copies fixed 0 's' as \(2, 2\) torch.float64, the "
+                                          r"Layout declares \(2, 2\) torch.float32$"):
+        tier.check_integrity()
+    claim = memory.take("resumer", 40, state.pages)
+    with pytest.raises(TypeError, match=r"^layer 0 s: the Layout declares torch.float32, the family wrote "
+                                        r"torch.float64$"):
+        tier.restore(state, claim)
+    memory.release(claim)
+    memory.release(source)

@@ -217,3 +217,23 @@ def test_a_host_tier_needs_a_budget():
     with pytest.raises(ValueError, match="above 0 bytes"):
         HostTier(paged(), 0)
     assert PAGE_ROWS == 8
+
+
+def test_a_host_copy_of_another_dtype_is_named_not_cast():
+    memory = paged()
+    host = HostTier(memory, budget=1 << 30)
+    source = memory.take("source", 40)
+    fill(memory, source, 16, seed=1)
+    assert host.keep_from(source, tuple(range(16)), (16,))
+    state, = host.states
+    (i, name, copy), = state.fixed
+    state.fixed = ((i, name, copy.to(torch.bfloat16)),)
+    with pytest.raises(PoolCorrupt, match=r"^a host state at 16 holds fixed 0 's' as \(2, 2\) torch.bfloat16, the "
+                                          r"Layout declares \(2, 2\) torch.float32$"):
+        host.check_integrity()
+    claim = memory.take("resumer", 40)
+    with pytest.raises(TypeError, match="^layer 0 s: the Layout declares torch.float32, the family wrote "
+                                        "torch.bfloat16$"):
+        host.restore(state, claim)
+    memory.release(claim)
+    memory.release(source)
