@@ -1,9 +1,15 @@
-"""Routed experts of a mixture-of-experts layer (the part after the router): each row's k chosen experts' SwiGLUs,
-weighted and summed. Expert weights in HF transformers 5.x's fused layout (`Qwen3_5MoeExperts`): gate_up
-[N, 2F, E] with the gate rows first, then the up rows; down [N, E, F].
+"""Routed experts of a mixture-of-experts layer (the part after the router): each row's k chosen experts' MLPs,
+weighted and summed. Two expert activations:
+
+    "silu_gate" (default)  SwiGLU, HF transformers 5.x's fused layout (`Qwen3_5MoeExperts`): gate_up [N, 2F, E]
+                           with the gate rows first, then the up rows; down [N, E, F]
+    "relu2"                relu(up @ x)², no gate (HF `NemotronHExperts`): gate_up holds the up weights only,
+                           [N, F, E] (HF's `experts.up_proj`, the checkpoint's per-expert `up_proj.weight` [F, E]
+                           stacked on dim 0), down [N, E, F] (`experts.down_proj`, per-expert `down_proj.weight`
+                           [E, F] stacked). With `moe_latent_size` set, E is the latent size.
 
 Shapes: T rows, E hidden size, F expert intermediate size, N experts, k experts per row. Intermediates are
-rounded to x's dtype where tensorfold_qwen's torch `moe` rounds them.
+rounded to x's dtype where tensorfold_qwen's torch `moe` (and HF's nemotron_h experts) round them.
 
 Tolerance, Triton vs naive, unit-scale outputs (tests/core/kernels/test_moe.py): float32 rtol = atol = 1e-5 (IEEE
 float32 dots, another summation order); bfloat16 rtol = atol = 2^-6 (bf16 intermediates may round one ulp apart,
@@ -17,7 +23,9 @@ import torch
 
 from tensorfold.kernels.backend import use_triton
 
-__all__ = ["routed_experts"]
+__all__ = ["ACTIVATIONS", "routed_experts"]
+
+ACTIVATIONS = ("silu_gate", "relu2")
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, x: torch.Tensor) -> None:
@@ -28,8 +36,10 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-          down: torch.Tensor) -> None:
+          down: torch.Tensor, activation: str = "silu_gate") -> None:
     """Raise ValueError naming the first argument whose shape, dtype or device does not fit (no device reads)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"routed_experts: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"routed_experts: x must be a floating [T, E] tensor, got {list(x.shape)} {x.dtype}")
     T, E = x.shape
@@ -39,6 +49,14 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
     k = chosen.shape[1]
     _check("chosen", chosen, (T, k), torch.long, x)
     _check("weights", weights, (T, k), x.dtype, x)
+    if activation == "relu2":
+        if gate_up.dim() != 3 or gate_up.shape[0] < 1:
+            raise ValueError(f"routed_experts: gate_up must be [N, F, E] (up rows only, relu2) with N >= 1, "
+                             f"got {list(gate_up.shape)}")
+        N, F = gate_up.shape[0], gate_up.shape[1]
+        _check("gate_up", gate_up, (N, F, E), x.dtype, x)
+        _check("down", down, (N, E, F), x.dtype, x)
+        return
     if gate_up.dim() != 3 or gate_up.shape[0] < 1 or gate_up.shape[1] % 2:
         raise ValueError(f"routed_experts: gate_up must be [N, 2F, E] (gate rows, then up rows) with N >= 1, "
                          f"got {list(gate_up.shape)}")
@@ -48,18 +66,20 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu_gate") -> torch.Tensor:
     """x [T, E], chosen [T, k] long, weights [T, k] (x's dtype), gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
     out[t] = Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
+    activation="relu2": gate_up [N, F, E] holds the up weights only and the expert is down[e] @ relu(u)², u =
+    gate_up[e] @ x[t] (Nemotron-H's experts; layouts in the module docstring).
 
     On the CPU the expert ids are checked to lie in [0, N); on the GPU that would cost a sync, so there an id
     outside the range contributes nothing."""
-    check(x, chosen, weights, gate_up, down)
+    check(x, chosen, weights, gate_up, down, activation)
     if use_triton(x):
         from tensorfold.kernels.moe import triton_moe
-        return triton_moe.routed_experts(x, chosen, weights, gate_up, down)
+        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation)
     N = gate_up.shape[0]
     if not x.is_cuda and chosen.numel() and not bool(((chosen >= 0) & (chosen < N)).all()):
         raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")
     from tensorfold.kernels.moe import naive
-    return naive.routed_experts(x, chosen, weights, gate_up, down)
+    return naive.routed_experts(x, chosen, weights, gate_up, down, activation)

@@ -5,6 +5,7 @@
         at padded row r (P = T·k where none), `block_expert[b]` the expert of block b (N where none). At most
         PAIR_BLOCKS_UP_TO pairs (decode) skip the grouping: block p holds pair p alone in its first row.
     gate_up kernel, program (block b, F block)   h = round(round(silu(g)) · u), [g | u] = x[token] @ gate_up[e]ᵀ
+                                                 (relu2: h = round(relu(u)²), u = x[token] @ gate_up[e]ᵀ, no gate)
     down kernel, program (block b, E block)      c[pair] = round(round(h @ down[e]ᵀ) · weight[pair])
     sum kernel, program (row t, E block)         out[t] = Σ_j c[t·k + j], j in order, rounded after each add
 
@@ -63,8 +64,10 @@ def config_for(E: int, F: int, dtype: torch.dtype) -> Config:
 @triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K_TOP,
                     s_xt, s_we, s_wf, s_wk, s_hm, E: tl.constexpr, F: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """h[rows, f] = round(round(silu(g)) · u) for one expert block and F block; g, u rounded to h's dtype."""
+                    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    RELU2: tl.constexpr):
+    """h[rows, f] = round(round(silu(g)) · u) for one expert block and F block; g, u rounded to h's dtype.
+    RELU2: the weights are the up rows alone and h = round(relu(u)²)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= N:
@@ -83,15 +86,23 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K
         k_ok = kk < E
         a = tl.load(x_ptr + token[:, None] * s_xt + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & f_ok[None, :]
-        bg = tl.load(base + f[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask, other=0.0)
-        bu = tl.load(base + (f + F)[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        if RELU2:
+            bu = tl.load(base + f[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask, other=0.0)
+        else:
+            bg = tl.load(base + f[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask, other=0.0)
+            bu = tl.load(base + (f + F)[None, :].to(tl.int64) * s_wf + kk[:, None] * s_wk, mask=w_mask,
+                         other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
     ty = h_ptr.dtype.element_ty
-    g = round_to(acc_g, ty)
     u = round_to(acc_u, ty)
-    silu = round_to(g / (1.0 + tl.exp(-g)), ty)
-    h = round_to(silu * u, ty)
+    if RELU2:
+        r = tl.maximum(u, 0.0)
+        h = round_to(r * r, ty)
+    else:
+        g = round_to(acc_g, ty)
+        silu = round_to(g / (1.0 + tl.exp(-g)), ty)
+        h = round_to(silu * u, ty)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + f[None, :], h, mask=ok[:, None] & f_ok[None, :])
 
 
@@ -194,14 +205,16 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
-    """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E], down [N, E, F] -> [T, E]."""
+                   down: torch.Tensor, activation: str = "silu_gate") -> torch.Tensor:
+    """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
+    down [N, E, F] -> [T, E]."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
     T, E = x.shape
     k = chosen.shape[1]
-    N, F = gate_up.shape[0], gate_up.shape[1] // 2
+    relu2 = activation == "relu2"
+    N, F = gate_up.shape[0], gate_up.shape[1] if relu2 else gate_up.shape[1] // 2
     out = torch.empty_like(x)
     if T == 0 or E == 0:
         return out
@@ -215,7 +228,7 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     _gate_up_kernel[(blocks, triton.cdiv(F, cfg.block_f))](
         x, gate_up, hidden, plan.row_pair, plan.block_expert, P, N, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0), E=E, F=F,
-        BLOCK_M=BLOCK_M, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision,
+        BLOCK_M=BLOCK_M, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision, RELU2=relu2,
         num_warps=cfg.num_warps)
     _down_kernel[(blocks, triton.cdiv(E, cfg.block_e))](
         hidden, down, plan.weight, contrib, plan.row_pair, plan.block_expert, P, N,
