@@ -1,7 +1,9 @@
 """Where a decode step's GPU time goes: the eager decode under torch.profiler, kernels grouped by name, one JSON
-line per kernel group (largest first) and one for the step as a whole, beside the graph replay's wall time.
+line per kernel group (largest first) and one for the step as a whole, beside the graph replay's wall time. With
+--prefill ROWS, the same for one stream's prefill of ROWS rows in --chunk pieces instead.
 
     python bench/profile_decode.py --shape qwen3_5-9b --batch 1 --out $OUT
+    python bench/profile_decode.py --shape nemotron_h-30b-a3b --prefill 8192 --out $OUT
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--prefill", type=int, help="profile a prefill of this many rows instead")
+    parser.add_argument("--chunk", type=int, default=2048)
     args = parser.parse_args()
     torch.manual_seed(0)
     hf, ours, layout, _, _ = build(args.shape, torch.bfloat16)
     del hf
+    if args.prefill:
+        return profile_prefill(args, ours, layout)
     context = args.prompt + 3 * args.steps + 4
     store = our_store(layout, args.batch, context)
     with torch.inference_mode():
@@ -49,23 +55,58 @@ def main() -> None:
             for _ in range(args.steps):
                 step(False)
             torch.cuda.synchronize()
-        totals: dict[str, list[float]] = {}
-        for event in prof.key_averages():
-            if event.device_type == torch.autograd.DeviceType.CUDA or getattr(event, "self_device_time_total", 0):
-                time_us = getattr(event, "self_device_time_total", 0.0)
-                if time_us:
-                    totals[event.key] = [time_us / args.steps, event.count / args.steps]
+        totals = kernel_totals(prof, args.steps)
         torch.cuda.synchronize()
         began = time.perf_counter()
         for _ in range(args.steps):
             step(True)
         torch.cuda.synchronize()
         replay_us = (time.perf_counter() - began) / args.steps * 1e6
-    lines = [{"bench": "decode_profile", "shape": args.shape, "batch": args.batch,
-              "kernel_us_per_step": round(sum(t for t, _ in totals.values()), 1),
-              "kernels_per_step": round(sum(c for _, c in totals.values()), 1), "graph_replay_us": round(replay_us, 1)}]
+    report(args, totals, {"bench": "decode_profile", "shape": args.shape, "batch": args.batch,
+                          "graph_replay_us": round(replay_us, 1)}, "decode_kernel")
+
+
+def kernel_totals(prof: torch.profiler.profile, steps: int) -> dict[str, list[float]]:
+    """GPU time (µs) and calls per step of each kernel name."""
+    totals: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA or getattr(event, "self_device_time_total", 0):
+            time_us = getattr(event, "self_device_time_total", 0.0)
+            if time_us:
+                totals[event.key] = [time_us / steps, event.count / steps]
+    return totals
+
+
+def profile_prefill(args: argparse.Namespace, ours, layout) -> None:
+    """One stream's prefill of --prefill rows in --chunk pieces, profiled once after a warm-up pass."""
+    tokens = torch.randint(0, ours.vocab_size, (args.prefill,)).tolist()
+
+    def run() -> None:
+        store = our_store(layout, 1, args.prefill + 1)
+        for a in range(0, args.prefill, args.chunk):
+            ours.forward(StepPlan((StreamStep(0, a, tokens[a: a + args.chunk],
+                                              sample=a + args.chunk >= args.prefill),)), store)
+
+    with torch.inference_mode():
+        run()
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - began) * 1e6
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+    report(args, kernel_totals(prof, 1), {"bench": "prefill_profile", "shape": args.shape, "rows": args.prefill,
+                                          "chunk": args.chunk, "wall_us": round(wall_us, 1)}, "prefill_kernel")
+
+
+def report(args: argparse.Namespace, totals: dict[str, list[float]], head: dict, kind: str) -> None:
+    """The whole as one JSON line, then the largest kernel groups, printed and appended to --out/profile.jsonl."""
+    lines = [{**head, "kernel_us": round(sum(t for t, _ in totals.values()), 1),
+              "kernels": round(sum(c for _, c in totals.values()), 1)}]
     for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.top]:
-        lines.append({"bench": "decode_kernel", "name": name[:90], "us_per_step": round(t, 1), "calls": c})
+        lines.append({"bench": kind, "name": name[:90], "us": round(t, 1), "calls": c})
     for line in lines:
         print(json.dumps(line), flush=True)
         if args.out is not None:
