@@ -47,7 +47,9 @@ class Rows:
     longer: tuple[int, ...]         # stream indices with more
     single_rows: torch.Tensor       # [B] long: the row of each single stream
     single_slots: torch.Tensor      # [B] long
-    sampled_rows: torch.Tensor      # [logit_rows] long: each stream's logit rows (StreamStep.logit_rows)
+    sampled_rows: torch.Tensor      # [sampled] long: each sampling stream's last row
+    extra_rows: torch.Tensor | None  # [logit_rows - sampled] long: every_row shares' other rows (None: no such share)
+    logit_order: torch.Tensor | None  # [logit_rows] long: plan order's rows in cat(sampled, extra) (with extra_rows)
     longer_rows: torch.Tensor       # [L] long: the rows of the longer streams, stream after stream
     packed: tuple[int, ...]         # len(longer) + 1 offsets of each longer stream's rows in longer_rows
     longer_slots: torch.Tensor      # [len(longer)] long
@@ -79,12 +81,32 @@ def flatten(plan: StepPlan, device: torch.device) -> Rows:
                 slots=tuple(s.slot for s in plan.streams), starts=tuple(s.start for s in plan.streams),
                 single=single, longer=longer, single_rows=as_long([spans[i][0] for i in single]),
                 single_slots=as_long([plan.streams[i].slot for i in single]),
-                sampled_rows=as_long([r for (a, b), s in zip(spans, plan.streams, strict=True)
-                                      for r in range(b - s.logit_rows, b)]),
+                sampled_rows=as_long([spans[i][1] - 1 for i, s in enumerate(plan.streams) if s.sample]),
+                **logit_rows(plan, spans, device),
                 longer_rows=as_long(longer_rows), packed=tuple(packed),
                 longer_slots=as_long([plan.streams[i].slot for i in longer]), longer_of_row=as_long(longer_of_row),
                 longer_index=as_long(list(longer)), packed_offsets=as_int(packed),
                 longer_starts=as_int([plan.streams[i].start for i in longer]))
+
+
+def logit_rows(plan: StepPlan, spans: list[tuple[int, int]], device: torch.device) -> dict[str, torch.Tensor | None]:
+    """For a step with every_row shares: their rows other than the sampled ones, and where each of the forward's
+    rows (plan order) sits in cat(sampled rows' logits, those rows' logits); the sampled rows' logits are computed
+    as in a step without such shares (one GEMM over the same rows), so they stay bitwise the same."""
+    if not plan.every_row:
+        return {"extra_rows": None, "logit_order": None}
+    sampled = sum(1 for s in plan.streams if s.sample)
+    extra, order, k = [], [], 0
+    for (a, b), s in zip(spans, plan.streams, strict=True):
+        if s.every_row:
+            for r in range(a, b - s.sample):
+                order.append(sampled + len(extra))
+                extra.append(r)
+        if s.sample:
+            order.append(k)
+            k += 1
+    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return {"extra_rows": as_long(extra), "logit_order": as_long(order)}
 
 
 def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
@@ -105,7 +127,11 @@ def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
         h = rms_norm(x, layer.post_norm, c.rms_norm_eps, zero_centred=True)
         x = x + decode.ffn(layer.ffn, h)
     last = x[rows.sampled_rows]
-    return F.linear(rms_norm(last, w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
+    logits = F.linear(rms_norm(last, w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
+    if rows.extra_rows is None:
+        return logits
+    extra = F.linear(rms_norm(x[rows.extra_rows], w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
+    return torch.cat([logits, extra]).index_select(0, rows.logit_order)
 
 
 def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) -> torch.Tensor:
