@@ -3,9 +3,11 @@
 
     x = embed(tokens)                                                              [B, E]
     per layer:  x = x + mixer(rms_norm(x))
-                Mamba2:     in_proj, conv update on the streams' tails, dt as mamba.time_steps, the SSD step on
-                            their float32 states (both in place; padded rows touch neither), D skip, grouped gated
-                            norm, out_proj
+                Mamba2:     in_proj, conv update on the streams' tails, the SSD step on their float32 states
+                            with dt as mamba.time_steps and the D skip inside it (kernels.ssd.ssd_step_gated; both
+                            in place; padded rows touch neither), the grouped gated norm in one kernel
+                            (kernels.rmsnorm.grouped_gated_rms_norm), out_proj
+                norms:      each block's norm fused with the residual add before it (kernels.rmsnorm.rms_norm)
                 attention:  this row's key/value written through the page tables (padded rows write none), paged
                             decode over keys [0, position]
                 MLP / MoE:  mlp.py's own functions (the router has no host sync; the experts run through
@@ -32,14 +34,15 @@ import torch.nn.functional as F
 from tensorfold.kernels.causal_conv1d import causal_conv1d_update
 from tensorfold.kernels.paged_attention import paged_decode
 from tensorfold.kernels.paged_write import row_ids, write_rows
-from tensorfold.kernels.ssd import ssd_step
+from tensorfold.kernels.rmsnorm import grouped_gated_rms_norm
+from tensorfold.kernels.rmsnorm import rms_norm as core_rms_norm
+from tensorfold.kernels.ssd import ssd_step_gated
 from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch
 from tensorfold_nemotron.attention import AttentionWeights
 from tensorfold_nemotron.config import NemotronConfig
-from tensorfold_nemotron.mamba import MambaWeights, time_steps
+from tensorfold_nemotron.mamba import MambaWeights
 from tensorfold_nemotron.mlp import MoeWeights, mlp, moe
-from tensorfold_nemotron.norms import gated_rms_norm, rms_norm
 
 if TYPE_CHECKING:
     from tensorfold_nemotron.model import NemotronModel, Weights
@@ -57,8 +60,8 @@ def decode(model: NemotronModel, batch: DecodeBatch, kv: KvStore) -> torch.Tenso
         dest = row_ids(batch.tables, batch.positions, batch.live, page_rows)            # [B] flat rows, -1 pads
     lengths = batch.lengths                                                             # [B] int32, 0 pads
     x = w.embed[batch.tokens]                                                           # [B, E]
+    h = fused_norm(x, w.layers[0].norm, c.eps)
     for index, layer in enumerate(w.layers):
-        h = rms_norm(x, layer.norm, c.eps)
         mixer = layer.mixer
         if isinstance(mixer, MambaWeights):
             out = mamba2(mixer, c, h, batch.slots, index, kv)
@@ -68,8 +71,15 @@ def decode(model: NemotronModel, batch: DecodeBatch, kv: KvStore) -> torch.Tenso
             out = moe(mixer, c, h)
         else:
             out = mlp(mixer, h)
-        x = x + out
-    return F.linear(rms_norm(x, w.norm, c.eps), w.lm_head).float()
+        following = w.layers[index + 1].norm if index + 1 < len(w.layers) else w.norm
+        h, x = fused_norm(out, following, c.eps, residual=x)                          # x + out, normalised
+    return F.linear(h, w.lm_head).float()
+
+
+def fused_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """norms.rms_norm through core's op (plain, not zero-centred: the same float32 math and one cast, so the CPU's
+    bits are the family's), with the residual add fused in: one kernel on CUDA instead of eight."""
+    return core_rms_norm(x, weight, eps, zero_centred=False, residual=residual)
 
 
 def _first_attention(w: Weights) -> int | None:
@@ -86,10 +96,10 @@ def mamba2(w: MambaWeights, c: NemotronConfig, h: torch.Tensor, slots: torch.Ten
     xs, B, C = xbc.split([inner, G * N, G * N], dim=-1)
     xs = xs.reshape(rows, MH, P)                                                       # [B, MH, P]
     B, C = B.reshape(rows, G, N), C.reshape(rows, G, N)                                # [B, G, N]
-    dt = time_steps(w, c, dt)                                                          # [B, MH] float32
-    y = ssd_step(xs, dt, w.A, B, C, kv.fixed_states(index, SSM, torch.float32), slots)   # [B, MH, P]
-    y = y.float() + w.D.float()[:, None] * xs.float()                                  # the D skip, float32
-    out = gated_rms_norm(y.reshape(rows, inner), z, w.norm, G, c.eps)                  # [B, I]
+    low, high = c.dt_limit
+    y = ssd_step_gated(xs, dt, w.dt_bias, w.A, w.D, B, C, kv.fixed_states(index, SSM, torch.float32), slots,
+                       dt_min=low, dt_max=high)                                        # [B, MH, P] float32, D skip
+    out = grouped_gated_rms_norm(y.reshape(rows, inner), z, w.norm, G, c.eps)          # [B, I]
     return F.linear(out, w.out_proj)                                                   # [B, E]
 
 

@@ -41,11 +41,10 @@ class MambaWeights:
     D: torch.Tensor                     # [MH]
     norm: torch.Tensor                  # [I]           norm.weight (plain, grouped)
     out_proj: torch.Tensor              # [E, I]
+    A: torch.Tensor = attrs.field(init=False)   # [MH] float32 -exp(A_log): the log decay per unit of dt, once
 
-    @property
-    def A(self) -> torch.Tensor:
-        """-exp(A_log) in float32: the per-head log decay per unit of dt."""
-        return -torch.exp(self.A_log.float())
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "A", -torch.exp(self.A_log.float()))
 
 
 def time_steps(w: MambaWeights, c: NemotronConfig, dt: torch.Tensor) -> torch.Tensor:

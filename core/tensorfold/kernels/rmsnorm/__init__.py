@@ -1,5 +1,6 @@
 """RMSNorm: plain (x̂·w) or zero-centred (x̂·(1 + w), Qwen3.5's layer and q/k norms), optionally fused with the
-residual add; and the gated norm of the GDN output (w·x̂·silu(z)).
+residual add; the gated norm of the GDN output (w·x̂·silu(z)); and Mamba2's grouped gated norm (Nemotron-H:
+w·norm_groups(y·silu(z))).
 
 Shapes: N rows (every stream's rows of a step, or rows × heads), H heads, D features.
 Math in float32 with one cast back to x's dtype, in tensorfold_qwen's `layers` order.
@@ -11,7 +12,7 @@ import torch
 
 from tensorfold.kernels.backend import use_triton
 
-__all__ = ["gated_rms_norm", "rms_norm"]
+__all__ = ["gated_rms_norm", "grouped_gated_rms_norm", "rms_norm"]
 
 
 def _check(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor,
@@ -52,3 +53,22 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         return triton_rmsnorm.gated_rms_norm(x, z, weight, eps)
     from tensorfold.kernels.rmsnorm import naive
     return naive.gated_rms_norm(x, z, weight, eps)
+
+
+def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int,
+                           eps: float) -> torch.Tensor:
+    """Mamba2's output norm, in Nemotron-H's `norms.gated_rms_norm` order. y [N, I] (any float dtype, read as
+    float32), z [N, I] (any float dtype), weight [I] -> [N, I] in weight's dtype: g = y·silu(z) in float32,
+    normalised within each of `groups` groups of I/groups channels, rounded to weight's dtype, then ·w (a product in
+    weight's dtype)."""
+    if y.dim() != 2 or not y.dtype.is_floating_point:
+        raise ValueError(f"grouped_gated_rms_norm: y must be a floating [N, I] tensor, got {list(y.shape)} {y.dtype}")
+    _check("grouped_gated_rms_norm", "z", z, tuple(y.shape), y, same_dtype=False)
+    _check("grouped_gated_rms_norm", "weight", weight, (y.shape[1],), y, same_dtype=False)
+    if groups <= 0 or y.shape[1] % groups:
+        raise ValueError(f"grouped_gated_rms_norm: I ({y.shape[1]}) must be a positive multiple of groups ({groups})")
+    if use_triton(y):
+        from tensorfold.kernels.rmsnorm import triton_rmsnorm
+        return triton_rmsnorm.grouped_gated_rms_norm(y, z, weight, groups, eps)
+    from tensorfold.kernels.rmsnorm import naive
+    return naive.grouped_gated_rms_norm(y, z, weight, groups, eps)

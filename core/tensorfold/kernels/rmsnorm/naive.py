@@ -29,3 +29,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)   # [N, H, D]
     return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int,
+                           eps: float) -> torch.Tensor:
+    """Mamba2's output norm (Nemotron-H's `norms.gated_rms_norm`, op for op): y·silu(z) in float32, RMS-normalised
+    within each of `groups` groups of I/groups channels, to weight's dtype, then ·w (in weight's dtype).
+    y, z [N, I], weight [I] -> [N, I] in weight's dtype."""
+    gated = y.float() * F.silu(z.float())                                          # [N, I]
+    grouped = gated.view(*gated.shape[:-1], groups, -1)                            # [N, G, I/G]
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.view(gated.shape).to(weight.dtype)

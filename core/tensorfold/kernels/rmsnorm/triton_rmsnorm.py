@@ -56,6 +56,23 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], round_to(out, ty), mask=mask)
 
 
+@triton.jit
+def _grouped_gated_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_o, eps,
+                          GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One (row, group): g = y·silu(z); out = round(w · round(g·rstd)) over the group's GROUP channels."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < GROUP
+    ty = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    gated = y * (z / (1.0 + tl.exp(-z)))
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(gated * gated, axis=0) / GROUP + eps))
+    normed = round_to(gated * rstd, ty)                                            # to weight's dtype
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, round_to(w * normed, ty), mask=mask)
+
+
 def _blocks(N: int, D: int) -> tuple[int, int, int, tuple[int]]:
     """BLOCK_N, BLOCK_D, num_warps and grid: whole rows, about 2k-4k elements per program."""
     block_d = triton.next_power_of_2(D)
@@ -101,3 +118,18 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
                                      float(eps), ROUND_WN=round_wn, BLOCK_N=block_n, BLOCK_D=block_d,
                                      num_warps=num_warps)
     return out.view(shape)
+
+
+def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int,
+                           eps: float) -> torch.Tensor:
+    """Launcher: y, z [N, I], weight [I] -> [N, I] in weight's dtype; one program per (row, group)."""
+    y, z, weight = _rows(y), _rows(z), weight.contiguous()
+    rows, width = y.shape
+    out = torch.empty((rows, width), dtype=weight.dtype, device=y.device)
+    if rows > 0 and width > 0:
+        group = width // groups
+        block = triton.next_power_of_2(group)
+        num_warps = 4 if block <= 2048 else 8
+        _grouped_gated_kernel[(rows, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0),
+                                              float(eps), GROUP=group, BLOCK=block, num_warps=num_warps)
+    return out

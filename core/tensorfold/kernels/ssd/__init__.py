@@ -6,6 +6,8 @@ decode step.
         -> (y [T, H, P], final_states [S, H, P, N] float32)         S streams packed (cu_seqlens)
     ssd_step(x, dt, A, B, C, states, slots, *, backend=None)
         -> y [Bt, H, P]                                             states[slots] updated in place
+    ssd_step_gated(x, dt, dt_bias, A, D, B, C, states, slots, *, dt_min, dt_max, backend=None)
+        -> y_skip [Bt, H, P] float32                                the step with the family's glue fused in
 
 Per row and head h (group g = h // (H / G)): S_h = exp(dt·A_h)·S_h + (dt·x_h) ⊗ B_g, y_h = S_h C_g, S_h [P, N]
 float32; y excludes the D skip and the gating. Conventions are the naive module's. Which implementation runs:
@@ -32,7 +34,7 @@ from tensorfold.kernels.ssd import fla_backend, naive
 from tensorfold.kernels.ssd.naive import CHUNK
 from tensorfold.kernels.stream_args import check_pool, check_slots, check_streams
 
-__all__ = ["BACKENDS", "CHUNK", "chunk_backend", "chunk_ssd", "ssd_step", "step_backend"]
+__all__ = ["BACKENDS", "CHUNK", "chunk_backend", "chunk_ssd", "ssd_step", "ssd_step_gated", "step_backend"]
 
 BACKENDS = ("naive", "triton", "fla")
 MAX_STATE_DIM = 256             # fla's chunked kernels stop at K = 256; ours keep a [16, N] state block per program
@@ -111,8 +113,39 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
 
 
-def _check_rows(x, dt, A, B, C) -> tuple[int, int, int, int]:
-    """Shapes, dtypes and devices of the per-row inputs; returns (rows, H, P, N)."""
+def ssd_step_gated(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+                   B: torch.Tensor, C: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | Sequence[int], *,
+                   dt_min: float, dt_max: float, backend: str | None = None) -> torch.Tensor:
+    """ssd_step with the family's decode glue around it: the time step from the raw dt and the D skip.
+
+    dt [Bt, H] raw (in_proj's output, any float dtype); dt_bias [H] (any float dtype); A [H] float32; D [H]; x, B,
+    C, states, slots as ssd_step. dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max) in float32 (torch's softplus,
+    beta 1, threshold 20); y = ssd_step(x, dt', ...) in x's dtype; returns y.float() + D.float()·x.float()
+    [Bt, H, P] float32. A padded row (negative slot) touches no state and gives D·x. naive: the three torch pieces
+    in that order (bitwise the unfused code); triton: one launch of the step kernel with both fused in; fla: the
+    naive time step and skip around fla's step.
+    """
+    Bt, H, P, N = _check_rows(x, dt, A, B, C, raw_dt=True)
+    for name, t in (("dt_bias", dt_bias), ("D", D)):
+        if t.shape != (H,) or not t.dtype.is_floating_point or t.device != x.device:
+            raise ValueError(f"{name} must be a floating [{H}] tensor on {x.device}, got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    chosen = backend or step_backend(x.device)
+    if chosen in ("naive", "triton"):
+        check_pool(states, (H, P, N), x.device)
+        check_slots(slots, Bt, states, read_back=False)
+        _announce("gated step", x.device.type, chosen)
+        if chosen == "naive":
+            return naive.ssd_step_gated(x, dt, dt_bias, A, D, B, C, states, slots, dt_min=dt_min, dt_max=dt_max)
+        from tensorfold.kernels.ssd import triton_step
+        return triton_step.ssd_step_gated(x, dt, dt_bias, A, D, B, C, states, slots, dt_min=dt_min, dt_max=dt_max)
+    y = ssd_step(x, naive.time_steps(dt, dt_bias, dt_min, dt_max), A, B, C, states, slots, backend=chosen)
+    return naive.d_skip(y, D, x)                                                   # fla (or a bad name: refused)
+
+
+def _check_rows(x, dt, A, B, C, raw_dt: bool = False) -> tuple[int, int, int, int]:
+    """Shapes, dtypes and devices of the per-row inputs; returns (rows, H, P, N). raw_dt: dt may be any float
+    dtype (the gated step's raw time step), not only float32."""
     if x.dim() != 3:
         raise ValueError(f"x must be [rows, H, P], got {tuple(x.shape)}")
     rows, heads, head_dim = x.shape
@@ -125,7 +158,7 @@ def _check_rows(x, dt, A, B, C) -> tuple[int, int, int, int]:
         raise ValueError(f"state size up to {MAX_STATE_DIM}, got N={state_dim}")
     if dt.shape != (rows, heads) or A.shape != (heads,):
         raise ValueError(f"dt must be [{rows}, {heads}] and A [{heads}], got {tuple(dt.shape)}, {tuple(A.shape)}")
-    if dt.dtype != torch.float32 or A.dtype != torch.float32:
+    if not (dt.dtype.is_floating_point if raw_dt else dt.dtype == torch.float32) or A.dtype != torch.float32:
         raise ValueError(f"dt and A must be float32, got {dt.dtype}, {A.dtype}")
     if not (x.dtype == B.dtype == C.dtype) or not x.dtype.is_floating_point:
         raise ValueError(f"x, B, C must share one floating dtype, got {x.dtype}, {B.dtype}, {C.dtype}")

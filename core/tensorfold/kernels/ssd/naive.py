@@ -145,6 +145,26 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return each_slot(x, states, slots, one)
 
 
+def time_steps(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
+    """The raw dt [Bt, H] (in_proj's output) -> float32 clamp(softplus(dt + dt_bias), dt_min, dt_max), the family's
+    time step (torch's softplus: beta 1, threshold 20)."""
+    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min, max=dt_max)
+
+
+def d_skip(y: torch.Tensor, D: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y + D·x in float32 (y as the step returned it, in x's dtype): y [Bt, H, P], D [H], x [Bt, H, P]."""
+    return y.float() + D.float()[:, None] * x.float()
+
+
+def ssd_step_gated(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+                   B: torch.Tensor, C: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | Sequence[int], *,
+                   dt_min: float, dt_max: float) -> torch.Tensor:
+    """The family's decode glue around the step, unfused: time_steps, ssd_step (y in x's dtype), d_skip. dt [Bt, H]
+    raw; dt_bias, D [H]. Returns y_skip [Bt, H, P] float32 (a padded row: y zero, so D·x)."""
+    y = ssd_step(x, time_steps(dt, dt_bias, dt_min, dt_max), A, B, C, states, slots)
+    return d_skip(y, D, x)
+
+
 def recurrent_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    state: torch.Tensor) -> torch.Tensor:
     """One token of one stream. x [H, P]; dt, A [H]; B, C [H, N]; state [H, P, N] in place. Returns y [H, P]."""
