@@ -7,6 +7,7 @@ from typing import Any, Protocol
 import attrs
 
 from tensorfold.chat.api import ChatFormat
+from tensorfold.chat.start_cache import StartCache
 from tensorfold.engine.api import Request, Sampling
 from tensorfold.engine.stats import EngineStats
 from tensorfold.tokenizer import ChatTokenizer
@@ -57,8 +58,10 @@ class Service:
     model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # every name served; () = model_name
     chat_format: ChatFormat | None = None  # the family's think markers and tool parser (None: replies are content)
     grammars: Any = None  # engine/grammar.py's Grammars for structured output (None: none is served)
+    starts_cache: StartCache = attrs.field(factory=StartCache, eq=False)  # proven message starts (chat/start_cache.py)
 
     @property
     def names(self) -> tuple[str, ...]:
         """The names a request may give as `model` (--served-model-name, each; the first is `model_name`)."""
         return self.model_names or (self.model_name,)
+

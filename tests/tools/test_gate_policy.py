@@ -16,7 +16,7 @@ ROLES = st.sampled_from(["system", "developer", "user", "assistant"])
 
 
 def test_the_cut_rule_on_the_engines_worked_example():
-    assert cuts_of(1000, (50, 300, 330, 950), 400, 100) == (300, 700, 950, 1000)
+    assert cuts_of(1000, (50, 300, 330, 950), 400, 100) == (50, 300, 330, 730, 950, 1000)
 
 
 @settings(max_examples=300, deadline=None)

@@ -4,13 +4,13 @@ engine, so the gate checks the engine's rows instead of trusting them.
     starts       where messages[i] (1 ≤ i < n) and the generated turn begin in the prompt: the token count of
                  messages[:i] (and of all messages) rendered without the generation prompt, each used only when
                  those tokens are an exact prefix of the prompt's (what the server's request-starts finder does)
-    cuts         from the previous cut p: min(length, p + grid, first start ≥ p + min_chunk), up to the length
+    cuts         from the previous cut p: min(length, p + grid, first start past p), up to the length
     marks        history end (the generated turn's start; the prompt end when unproven), system end (the start
                  of the first message that is not a system or developer message, when one precedes it) and rewind
                  (the start of the latest user message, when it is not the first message)
-    keep points  for each mark, in that priority: the last cut at or before it, when that cut lies past the row
-                 the pass resumed at; a cut another mark chose gains the reason; a new one must be at least
-                 min_chunk past the resumed row and min_chunk away from every point already chosen
+    keep points  for each mark: the last cut at or before it, when that cut lies past the row the pass resumed
+                 at; the history end and the rewind mark always, the system end only when at least min_chunk
+                 past the resumed row or on a cut another mark chose
     resume row   the longest kept state whose tokens the prompt extends, that leaves a row to prefill, and whose
                  cuts are the prompt's own cuts up to it; 0 when there is none
 
@@ -20,7 +20,7 @@ refuse a scenario in which the last tier dropped states unless it expected that.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,8 +39,8 @@ def cuts_of(length: int, starts: Iterable[int], grid: int, min_chunk: int) -> tu
     found = usable(length, starts)
     cuts: list[int] = []
     p = 0
-    while p < length:
-        i = bisect_left(found, p + min_chunk)
+    while p < length:  # every start is a cut; min_chunk merges none (cuts.py)
+        i = bisect_right(found, p)
         p = min(length, p + grid, found[i] if i < len(found) else length)
         cuts.append(p)
     return tuple(cuts)
@@ -72,14 +72,15 @@ class Shape:
     def keep_points(self, cuts: Sequence[int], start: int, min_chunk: int) -> set[int]:
         """The cuts a pass that resumed at `start` keeps states at."""
         chosen: set[int] = set()
-        for mark in self.marks():
+        history, system, rewind = self.marks()
+        for mark, always in ((history, True), (rewind, True), (system, False)):
             if mark is None or not 0 < mark <= len(self.prompt):
                 continue
             below = [c for c in cuts if c <= mark]
             if not below or below[-1] <= start:
                 continue
-            cut = below[-1]
-            if cut not in chosen and cut - start >= min_chunk and all(abs(cut - c) >= min_chunk for c in chosen):
+            cut = below[-1]  # the history end and the rewind cut always; the system end min_chunk past the start
+            if always or cut - start >= min_chunk:
                 chosen.add(cut)
         return chosen
 

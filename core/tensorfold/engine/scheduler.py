@@ -4,14 +4,16 @@
                 prefilling streams, oldest first, feed their next chunk [p, next cut) while the step's rows
                 stay within step_rows (--max-step-rows; the oldest prefilling stream always gets its chunk, so
                 every stream progresses); the cuts are planned once at admission, plan_cuts(prompt, starts, chunk,
-                min_chunk) (cuts.py): the absolute grid when the request has no starts
+                min_chunk) (cuts.py): every request start and the grid from the last cut; the absolute grid when
+                the request has no starts
     admission:  with kept tiers (tiers/chain.py), a request resumes from the longest kept state any tier holds
                 that it may resume from (a device state's full pages are shared by its lease; a host state is
                 copied in; a disk state is read and put back, or, failing its check, the request prefills); when
                 its lease does not fit, device states are let go (into the host tier), moved-past ones first, then
                 the least recently used, never the one it resumes from, before it waits
     keeping:    a prefilling stream's state is kept after the steps that end at its keep points: the last cut at
-                or before its history end, system end and rewind mark, at least min_chunk apart (tiers/policy.py)
+                or before its history end and rewind mark, always, and its system end when at least min_chunk
+                past the row it started at (tiers/policy.py)
     partitions: a request looks up and keeps states in its own partition only (Request.partition)
     prompt logprobs: a request that asks for them (Sampling.prompt_logprobs) prefills its whole prompt, every row's
                 logits returned (StreamStep.every_row); it still keeps its states for others

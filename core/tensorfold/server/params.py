@@ -135,7 +135,7 @@ def parse_chat(body: Mapping[str, Any], service: Service, specials_in_content: b
     if not service.request_starts or not chat.add:  # starts are proven on a prompt ending with the generation prompt
         return params
     positions = start_positions(service.tokenizer, chat.messages, chat.ids, chat.kwargs, chat.text,
-                                specials_in_content)
+                                specials_in_content, service.starts_cache)
     return attrs.evolve(params, starts=starts_of(positions), marks=keep_marks(chat.messages, positions))
 
 

@@ -8,9 +8,20 @@ KeepMarks, found by the server), so a later pass, whose cuts up to there are the
     system end    where the shared system prompt ends: another conversation on the same system prompt resumes here
     rewind cut    where the latest user message starts: an edited or regenerated last turn resumes here
 
-Points land on cuts only; two marks on one cut make one state with both reasons; a point is dropped when it is
-closer than `--min-chunk` to the row the pass started at or to a point of higher priority (history, then system,
-then rewind).
+Points land on cuts only (every start is a cut, cuts.py, so a mark the server proved is its own cut); two marks on
+one cut make one state with both reasons. Which are kept, for the cuts after the row the pass started at:
+
+    history end   always, however close to the start row, to another cut or to another mark: the next turn and
+                  the next tool step resume exactly here, and one more state costs one state
+    rewind cut    always: no history end moves past it (below), so it outlives a long tool chain; a next turn
+                  whose template drops earlier reasoning (GLM-4.7 clear_thinking, Nemotron-3
+                  truncate_history_thinking) changes the history inside the chain, after it, where no engine can
+                  resume; an edited or regenerated last turn resumes here too
+    system end    only when at least `--min-chunk` rows past the start row: it serves other conversations, and
+                  the start row's state, a prefix of it that they share as well, serves them within min_chunk rows
+
+A point is never dropped for being near a point after it: a longer state is no prefix that a diverging request
+could use.
 
 Moved past. Keeping a state T marks every kept state S whose tokens are a strict prefix of T's as moved past when
 S is a history end (the conversation went on), or a rewind cut and T is one too (the user wrote a newer message).
@@ -46,19 +57,18 @@ class Marked(Protocol):
 
 def keep_points(cuts: Sequence[int], length: int, history: int | None, system: int | None, rewind: int | None,
                 start: int, min_chunk: int) -> dict[int, frozenset[str]]:
-    """Cut → reasons, for the cuts after `start` (where the pass began) that a pass over `length` rows keeps."""
+    """Cut → reasons, for the cuts after `start` (where the pass began) that a pass over `length` rows keeps: the
+    history end and the rewind cut always, the system end when at least `min_chunk` past `start` (module docstring)."""
     chosen: dict[int, set[str]] = {}
-    for why, mark in ((HISTORY, length if history is None else history), (SYSTEM, system), (REWIND, rewind)):
+    for why, mark in ((HISTORY, length if history is None else history), (REWIND, rewind), (SYSTEM, system)):
         if mark is None or not 0 < mark <= length:
             continue
         i = bisect_right(cuts, mark) - 1
         if i < 0 or cuts[i] <= start:
             continue
         cut = cuts[i]
-        if cut in chosen:
-            chosen[cut].add(why)
-        elif cut - start >= min_chunk and all(abs(cut - other) >= min_chunk for other in chosen):
-            chosen[cut] = {why}
+        if cut in chosen or why != SYSTEM or cut - start >= min_chunk:
+            chosen.setdefault(cut, set()).add(why)
     return {cut: frozenset(why) for cut, why in chosen.items()}
 
 

@@ -1,4 +1,5 @@
-"""A cold pass cuts at the grid and at request starts; a pass resumed at any of its cuts makes the same cuts."""
+"""A cold pass cuts at the grid and at every request start; a pass resumed at any of its cuts makes the same cuts,
+and a later prompt that extends a history end cuts there too (issue 17)."""
 
 from __future__ import annotations
 
@@ -20,26 +21,36 @@ def test_without_starts_the_cuts_are_the_absolute_grid(length, grid):
 
 
 def test_the_docstring_example():
-    assert plan_cuts(1000, (50, 300, 330, 950), 400, 100) == (300, 700, 950, 1000)
-    assert cuts_from(700, 1000, (50, 300, 330, 950), 400, 100) == (950, 1000)
+    assert plan_cuts(1000, (50, 300, 330, 950), 400, 100) == (50, 300, 330, 730, 950, 1000)
+    assert cuts_from(730, 1000, (50, 300, 330, 950), 400, 100) == (950, 1000)
 
 
-def test_each_start_at_least_min_chunk_past_the_previous_cut_is_a_cut():
+def test_every_start_is_a_cut_whatever_min_chunk():
     assert plan_cuts(2000, (300, 900, 1500), 2048, 256) == (300, 900, 1500, 2000)
-
-
-def test_starts_closer_than_min_chunk_merge_into_the_previous_cut():
-    # 100 is within 256 of 0; 600 is within 256 of 500; 1000 is exactly 256 past 744 and cuts.
-    assert plan_cuts(1200, (100, 500, 600, 744, 1000), 2048, 256) == (500, 1000, 1200)
-    assert plan_cuts(1200, (100, 500, 600, 744, 1000), 2048, 1) == (100, 500, 600, 744, 1000, 1200)
+    for min_chunk in (1, 256, 5000):  # min_chunk merges no start (it spaces system-end states, tiers/policy.py)
+        assert plan_cuts(1200, (100, 500, 600, 744, 1000), 2048, min_chunk) == (100, 500, 600, 744, 1000, 1200)
 
 
 def test_the_grid_runs_on_from_a_start_cut():
     assert plan_cuts(3000, (700,), 1000, 256) == (700, 1700, 2700, 3000)
 
 
-def test_a_start_just_past_a_grid_cut_merges_into_it():
-    assert plan_cuts(2500, (1010,), 1000, 256) == (1000, 2000, 2500)
+def test_a_start_just_past_a_grid_cut_is_a_cut():
+    assert plan_cuts(2500, (1010,), 1000, 256) == (1000, 1010, 2010, 2500)
+
+
+def test_a_short_chat_cuts_at_each_history_end_in_every_later_turn():
+    # the issue's chat under the default min chunk: turns of 51, 114 and 175 rows, a 3-row generated-turn header;
+    # each turn's history end (the reply's start) is a plain start in the next turn, and a cut of both
+    turn1, turn2, turn3 = (48,), (48, 61, 111), (48, 61, 111, 124, 172)
+    assert plan_cuts(51, turn1, 32, 256) == (32, 48, 51)
+    assert plan_cuts(114, turn2, 32, 256) == (32, 48, 61, 93, 111, 114)
+    assert plan_cuts(175, turn3, 32, 256) == (32, 48, 61, 93, 111, 124, 156, 172, 175)
+    for (length, starts), (later, more) in zip([(51, turn1), (114, turn2)], [(114, turn2), (175, turn3)],
+                                               strict=True):
+        end = length - 3
+        assert [c for c in plan_cuts(length, starts, 32, 256) if c <= end] == \
+            [c for c in plan_cuts(later, more, 32, 256) if c <= end]
 
 
 def test_the_length_is_always_the_last_cut_even_right_after_a_start():
@@ -82,10 +93,9 @@ def test_property_cuts(case):
     previous = 0
     for cut in cuts:  # strictly increasing, never a chunk longer than the grid, ends at the length
         assert previous < cut <= min(length, previous + grid)
-        if cut < length and cut != previous + grid:  # a cut off the grid is a start at least min_chunk past
-            assert cut in starts and cut - previous >= min_chunk
-        skipped = [s for s in usable_starts(length, starts) if previous < s < cut]
-        assert all(s < previous + min_chunk for s in skipped), "a start that should cut was passed over"
+        if cut < length and cut != previous + grid:  # a cut off the grid is a start
+            assert cut in starts
+        assert not [s for s in usable_starts(length, starts) if previous < s < cut], "a start was passed over"
         previous = cut
     assert cuts[-1] == length
     for c in (0, *cuts):  # resumed at any cut == the cold cuts after it
@@ -101,3 +111,18 @@ def test_property_a_longer_prompt_with_the_same_earlier_starts_cuts_the_same_bef
     short = plan_cuts(length, starts, grid, min_chunk)
     longer = plan_cuts(length + extra, [*starts, length + extra // 2], grid, min_chunk)
     assert [c for c in short if c < length] == [c for c in longer if c < length]
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases, st.integers(1, 3000), st.lists(st.integers(1, 3000), max_size=10))
+def test_property_a_history_end_is_a_cut_of_every_prompt_that_extends_it(case, extra, later):
+    """A pass keeps its history end h (a start, or its length): a later prompt whose starts below h are this one's,
+    h among them, and any others after it, cuts at h and exactly as this pass did before it."""
+    length, starts, grid, min_chunk = case
+    short = plan_cuts(length, starts, grid, min_chunk)
+    ends = {length, *usable_starts(length, starts)}
+    longer_starts = [*usable_starts(length, starts), length, *(length + x for x in later)]
+    longer = plan_cuts(length + extra + max(later, default=0), longer_starts, grid, min_chunk)
+    for h in ends:
+        assert h in longer
+        assert [c for c in short if c <= h] == [c for c in longer if c <= h]

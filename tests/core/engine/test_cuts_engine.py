@@ -22,7 +22,7 @@ CONTEXT = 160
 
 CHUNK, MIN_CHUNK = 32, 8
 LENGTH = 130
-STARTS = (3, 20, 26, 41, 44, 90, 97, 126, 200)  # merged ones, off-grid ones, one past the prompt
+STARTS = (3, 20, 26, 41, 44, 90, 97, 126, 200)  # close ones (each a cut), off-grid ones, one past the prompt
 
 
 def prompt(n: int, salt: int) -> tuple[int, ...]:
@@ -101,7 +101,7 @@ def with_starts(name: str, tokens, sampling: Sampling, starts) -> Client:
 def test_starts_change_the_cuts_but_not_the_reply(subject, sampling):
     tokens = prompt(LENGTH, 4)
     cuts = plan_cuts(LENGTH, STARTS, CHUNK, MIN_CHUNK)
-    assert cuts == (20, 41, 73, 90, 122, 130) and cuts != (32, 64, 96, 128, 130)
+    assert cuts == (3, 20, 26, 41, 44, 76, 90, 97, 126, 130) and cuts != (32, 64, 96, 128, 130)
     plain = Client("plain", tokens, sampling)
     grid_model = serve(subject, [plain])
     cut = with_starts("cut", tokens, sampling, STARTS)

@@ -1,5 +1,5 @@
-"""The keep policy: where a pass keeps states (history end, system end, rewind cut, on cuts, min-chunk apart) and
-which kept states a later one moves past."""
+"""The keep policy: where a pass keeps states (the history end and rewind cut always, the system end at least
+min_chunk past the start row, on cuts) and which kept states a later one moves past."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tensorfold.tiers.policy import (
 )
 from tensorfold.tiers.states import HostState
 
-# length 1000, grid 400, min chunk 100, starts 50, 300, 330, 950: cuts 300, 700, 950, 1000 (cuts.py)
+# length 1000, grid 400, starts 50, 300, 330, 950: cuts 50, 300, 330, 730, 950, 1000 (cuts.py: every start cuts)
 CUTS = plan_cuts(1000, (50, 300, 330, 950), 400, 100)
 
 
@@ -27,7 +27,7 @@ def points(history=None, system=None, rewind=None, start=0, min_chunk=100, cuts=
 
 
 def test_the_example_cuts():
-    assert CUTS == (300, 700, 950, 1000)
+    assert CUTS == (50, 300, 330, 730, 950, 1000)
 
 
 def test_without_marks_the_history_end_is_the_prompt_end():
@@ -35,34 +35,43 @@ def test_without_marks_the_history_end_is_the_prompt_end():
 
 
 def test_each_mark_keeps_at_the_last_cut_at_or_before_it():
-    # the history end (the generated turn's start) at 950, the system prompt ending at 300, the latest user at 700
-    assert points(history=950, system=300, rewind=700) == {950: {HISTORY}, 300: {SYSTEM}, 700: {REWIND}}
-    # a mark merged into the cut before it (330 < 300 + min chunk) keeps there: the same cut in any later pass
-    assert points(history=990, system=330, rewind=720) == {950: {HISTORY}, 300: {SYSTEM}, 700: {REWIND}}
+    # the history end (the generated turn's start) at 950, the system prompt ending at 300, the latest user at 730
+    assert points(history=950, system=300, rewind=730) == {950: {HISTORY}, 300: {SYSTEM}, 730: {REWIND}}
+    # a mark that is no cut (the server proves every mark as a start, so only when called by hand) keeps at the
+    # last cut before it: the same cut in any later pass
+    assert points(history=990, system=320, rewind=720) == {950: {HISTORY}, 300: {SYSTEM}, 330: {REWIND}}
 
 
 def test_two_marks_on_one_cut_make_one_state_with_both_reasons():
-    assert points(history=950, system=300, rewind=330) == {950: {HISTORY}, 300: {SYSTEM, REWIND}}
+    assert points(history=950, system=300, rewind=300) == {950: {HISTORY}, 300: {SYSTEM, REWIND}}
     assert points(history=960, rewind=955) == {950: {HISTORY, REWIND}}
 
 
-def test_points_are_min_chunk_apart_by_priority_history_then_system_then_rewind():
-    # a grid finer than the min chunk makes cuts closer than it: 64, 128, ...
-    cuts = plan_cuts(400, (), 64, 100)
-    assert points(history=400, system=256, rewind=384, cuts=cuts, length=400) == {400: {HISTORY}, 256: {SYSTEM}}
-    assert points(history=130, system=256, rewind=200, cuts=cuts, length=400) == {128: {HISTORY}, 256: {SYSTEM}}
-    assert points(history=128, system=192, rewind=64, cuts=cuts, length=400) == {128: {HISTORY}}  # 64 is too near 0
+def test_the_history_end_and_the_rewind_cut_are_kept_however_close():
+    # 20 rows from the start, 30 apart, 50 from the prompt end: each under min chunk 100, each kept
+    assert points(history=50, rewind=20, cuts=(20, 50, 100), length=100) == {50: {HISTORY}, 20: {REWIND}}
+    assert points(history=950, rewind=330, start=300) == {950: {HISTORY}, 330: {REWIND}}
+    assert points(history=1000, start=950) == {1000: {HISTORY}}
+    assert points(history=330, system=300, rewind=300, start=50) == {330: {HISTORY}, 300: {SYSTEM, REWIND}}
 
 
-def test_nothing_is_kept_at_or_too_near_the_row_the_pass_resumed_at():
-    assert points(history=950, system=300, rewind=700, start=300) == {950: {HISTORY}, 700: {REWIND}}
-    assert points(history=950, system=300, rewind=700, start=700) == {950: {HISTORY}}
-    assert points(history=1000, start=950) == {}  # 50 rows past the resume row: under the min chunk
-    assert points(history=1000, start=950, min_chunk=10) == {1000: {HISTORY}}
+def test_the_system_end_is_kept_only_min_chunk_past_the_start_row():
+    assert points(history=950, system=300, start=0) == {950: {HISTORY}, 300: {SYSTEM}}
+    assert points(history=950, system=300, start=250, cuts=(250, 300, 950, 1000)) == {950: {HISTORY}}
+    assert points(history=950, system=50) == {950: {HISTORY}}  # 50 < 0 + min chunk: a tiny system prompt
+    # close to a later point is no reason to drop it: the later state is no prefix another conversation shares
+    assert points(history=330, system=300, min_chunk=100) == {330: {HISTORY}, 300: {SYSTEM}}
+    assert points(history=330, system=300, min_chunk=301) == {330: {HISTORY}}
+
+
+def test_nothing_is_kept_at_or_before_the_row_the_pass_resumed_at():
+    assert points(history=950, system=300, rewind=730, start=300) == {950: {HISTORY}, 730: {REWIND}}
+    assert points(history=950, system=300, rewind=730, start=730) == {950: {HISTORY}}
+    assert points(history=950, start=950) == {}
 
 
 def test_marks_outside_the_prompt_or_before_the_first_cut_keep_nothing():
-    assert points(history=200, system=0, rewind=1200) == {}
+    assert points(history=40, system=0, rewind=1200) == {}
 
 
 def state(tokens, why=(), cuts=None, at=None):
