@@ -15,23 +15,9 @@ LOG="$OUT/issue16.log"
 TOTAL=${TOTAL_SECONDS:-570}
 start=$SECONDS
 
-phase_line() { echo "{\"bench\": \"phase\", \"phase\": \"$1\", $2}" | tee -a "$OUT/phases.jsonl"; }
-
-run() {  # NAME SECONDS COMMAND...: the command under timeout (at most the time left), its output in the log
-  local name=$1 want=$2 left seconds began rc
-  shift 2
-  left=$(( TOTAL - (SECONDS - start) ))
-  seconds=$(( want < left ? want : left ))
-  if (( seconds < 30 )); then
-    phase_line "$name" "\"skipped\": \"${left} s left\""
-    return
-  fi
-  echo "=== $name (at most ${seconds} s): $*" >> "$LOG"
-  began=$SECONDS
-  timeout -k 20 "$seconds" "$@" >> "$LOG" 2>&1
-  rc=$?
-  phase_line "$name" "\"rc\": $rc, \"seconds\": $((SECONDS - began)), \"limit_s\": $seconds"
-}
+# shellcheck source=bench/phases.sh
+MIN_PHASE_SECONDS=${MIN_PHASE_SECONDS:-30}
+source "$(dirname "$0")/phases.sh"
 
 if [ "${INSTALL:-1}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
@@ -33,6 +35,19 @@ class StreamStep:
     def logit_rows(self) -> int:
         """Logit rows the forward returns for this share: all its rows, its last, or none."""
         return len(self.tokens) if self.every_row else int(self.sample)
+
+
+def share_logits(share: StreamStep, hidden: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> list[torch.Tensor]:
+    """A share's logit rows from its hidden rows [T, E], as a per-stream forward returns them: none, its last row,
+    or with every_row the rows before the last, then the last apart, so the sampled row is computed as it is
+    without every_row (bitwise)."""
+    picked = []
+    if share.every_row and len(share.tokens) > 1:
+        picked.append(logits(hidden[:-1]))
+    if share.every_row or share.sample:
+        picked.append(logits(hidden[-1:]))
+    return picked
 
 
 @attrs.frozen

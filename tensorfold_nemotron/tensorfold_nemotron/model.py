@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
-from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
+from tensorfold.plan import DecodeBatch, StepPlan, StreamStep, share_logits
 from tensorfold_nemotron.attention import AttentionWeights, attention
 from tensorfold_nemotron.config import NemotronConfig
 from tensorfold_nemotron.mamba import MambaWeights, mamba2
@@ -66,10 +66,7 @@ class NemotronModel:
         picked = []
         for step in plan.streams:
             x = self.hidden(step, kv)                                              # [T, E]
-            if step.every_row:      # the rows before the last apart: the last is computed as always, bit for bit
-                picked.append(self.logits(x[:-1]))                                 # [T - 1, V]
-            if step.every_row or step.sample:
-                picked.append(self.logits(x[-1:]))                                 # [1, V]
+            picked += share_logits(step, x, self.logits)
         if not picked:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return torch.cat(picked)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -18,3 +19,17 @@ def triton_installed() -> bool:
 def use_triton(tensor: torch.Tensor) -> bool:
     """The fast path applies to this tensor."""
     return tensor.is_cuda and triton_installed()
+
+
+def pick_chunk(device: torch.device | str, fla_available: Callable[[], bool]) -> str:
+    """The prefill backend an op with an fla form picks by device: fla on CUDA when it imports, else naive."""
+    return "fla" if torch.device(device).type == "cuda" and fla_available() else "naive"
+
+
+def pick_step(device: torch.device | str, fla_available: Callable[[], bool]) -> str:
+    """The decode-step backend such an op picks: naive off CUDA; on CUDA ours (Triton), else fla, else naive."""
+    if torch.device(device).type != "cuda":
+        return "naive"
+    if triton_installed():
+        return "triton"
+    return "fla" if fla_available() else "naive"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
-from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.plan import StepPlan, StreamStep, share_logits
 
 # ---------------------------------------------------------------- the config record
 
@@ -166,10 +166,7 @@ class ExampleModel:
         picked = []
         for step in plan.streams:
             x = self.hidden(step, kv)                                 # [T, E]
-            if step.every_row:  # the rows before the last, apart: the last is computed as always
-                picked.append(self.logits(x[:-1]))                                 # [T - 1, V]
-            if step.every_row or step.sample:
-                picked.append(self.logits(x[-1:]))                                 # [1, V]
+            picked += share_logits(step, x, self.logits)
         if not picked:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return torch.cat(picked)                                      # [logit_rows, V]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tensorfold.kernels.backend import triton_installed
+from tensorfold.kernels.backend import pick_chunk, pick_step
 from tensorfold.kernels.gated_delta import fla_backend, naive
 from tensorfold.kernels.stream_args import check_pool, check_slots, check_state, check_streams
 
@@ -44,16 +44,12 @@ logger = logging.getLogger(__name__)
 
 def chunk_backend(device: torch.device | str) -> str:
     """The prefill implementation `backend=None` picks on this device."""
-    return "fla" if torch.device(device).type == "cuda" and fla_backend.available() else "naive"
+    return pick_chunk(device, fla_backend.available)
 
 
 def step_backend(device: torch.device | str) -> str:
     """The decode-step implementation `backend=None` picks on this device."""
-    if torch.device(device).type != "cuda":
-        return "naive"
-    if triton_installed():
-        return "triton"
-    return "fla" if fla_backend.available() else "naive"
+    return pick_step(device, fla_backend.available)
 
 
 @functools.cache
