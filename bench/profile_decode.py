@@ -97,8 +97,36 @@ def profile_prefill(args: argparse.Namespace, ours, layout) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize()
+        syncs = host_syncs(run)
     report(args, kernel_totals(prof, 1), {"bench": "prefill_profile", "shape": args.shape, "rows": args.prefill,
-                                          "chunk": args.chunk, "wall_us": round(wall_us, 1)}, "prefill_kernel")
+                                          "chunk": args.chunk, "wall_us": round(wall_us, 1), **syncs},
+           "prefill_kernel")
+
+
+def host_syncs(run) -> dict:
+    """Where `run` waits for the device: torch's sync debug mode warns at each sync; the call sites, counted."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def seen(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-4:][::-1])
+        sites[where] = sites.get(where, 0) + 1
+
+    previous = warnings.showwarning
+    warnings.showwarning = seen
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = previous
+    return {"host_syncs": sum(sites.values()), "sync_sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def report(args: argparse.Namespace, totals: dict[str, list[float]], head: dict, kind: str) -> None:

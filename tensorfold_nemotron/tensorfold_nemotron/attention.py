@@ -5,7 +5,8 @@
     -> o_proj
 
 Position enters only through the causal mask (the Mamba2 layers carry order). The KvStore holds keys and values
-as projected.
+as projected. On CUDA the chunk attends through core's paged prefill kernel (Triton, float32 softmax, never the
+[H, T, S] scores in memory); on the CPU through the eager form below, the reference.
 Shapes in comments: T rows of this step, S = end keys visible to the last row, H/KV heads, D head_dim, E hidden.
 """
 
@@ -15,6 +16,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.backend import use_triton
+from tensorfold.kernels.paged_attention import paged_prefill
 from tensorfold.kv import KvStore
 from tensorfold.plan import StreamStep
 from tensorfold_nemotron.config import NemotronConfig
@@ -40,6 +43,11 @@ def attention(w: AttentionWeights, c: NemotronConfig, x: torch.Tensor, layer: in
     # Write this step's rows first, then read the whole window back.
     kv.write_rows(layer, KEYS, step.slot, step.start, F.linear(x, w.k_proj).view(T, KV, D))
     kv.write_rows(layer, VALUES, step.slot, step.start, F.linear(x, w.v_proj).view(T, KV, D))
+    if use_triton(x):
+        table = kv.tables([step.slot])[0]                                          # [pages] int32
+        out = paged_prefill(q, kv.row_pages(layer, KEYS), kv.row_pages(layer, VALUES), table, step.start,
+                            D ** -0.5)                                             # [T, H, D]
+        return F.linear(out.reshape(T, H * D), w.o_proj)
     keys = kv.rows(layer, KEYS, step.slot, step.end).repeat_interleave(H // KV, dim=1)      # [S, H, D]
     values = kv.rows(layer, VALUES, step.slot, step.end).repeat_interleave(H // KV, dim=1)  # [S, H, D]
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kernels.causal_conv1d import causal_conv1d_prefill
+from tensorfold.kernels.rmsnorm import grouped_gated_rms_norm
 from tensorfold.kernels.ssd import chunk_ssd, ssd_step
 from tensorfold_nemotron.config import NemotronConfig
-from tensorfold_nemotron.norms import gated_rms_norm
 
 
 @attrs.frozen
@@ -80,5 +80,6 @@ def mamba2(w: MambaWeights, c: NemotronConfig, x: torch.Tensor, start: int, conv
         y, final = chunk_ssd(xs, dt, w.A, B, C, state, start, backend=backend)     # [T, MH, P]
         state.copy_(final)
     y = y.float() + w.D.float()[:, None] * xs.float()                              # the D skip, float32
-    out = gated_rms_norm(y.reshape(T, inner), z, w.norm, G, c.eps)                 # [T, I]
+    # core's op is norms.gated_rms_norm's float32 math and roundings (the same bits on the CPU; one kernel on CUDA)
+    out = grouped_gated_rms_norm(y.reshape(T, inner), z, w.norm, G, c.eps)         # [T, I]
     return F.linear(out, w.out_proj)                                               # [T, E]

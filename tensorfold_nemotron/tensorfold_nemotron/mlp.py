@@ -67,11 +67,12 @@ def route(w: MoeWeights, c: NemotronConfig, x: torch.Tensor) -> tuple[torch.Tens
     return weights * c.routed_scaling_factor, chosen
 
 
-def moe(w: MoeWeights, c: NemotronConfig, x: torch.Tensor) -> torch.Tensor:
-    """The routed experts (through the latent when there is one) plus the shared expert: [T, E] -> [T, E]."""
+def moe(w: MoeWeights, c: NemotronConfig, x: torch.Tensor, kind: str = "decode") -> torch.Tensor:
+    """The routed experts (through the latent when there is one) plus the shared expert: [T, E] -> [T, E]. `kind`
+    ("decode" or "prefill") picks the experts' GPU tiles (kernels.moe)."""
     weights, chosen = route(w, c, x)
     h = F.linear(x, w.latent_in) if w.latent_in is not None else x                 # [T, W]
-    out = routed_experts(h, chosen, weights.to(h.dtype), w.up, w.down, activation="relu2")   # [T, W]
+    out = routed_experts(h, chosen, weights.to(h.dtype), w.up, w.down, activation="relu2", kind=kind)   # [T, W]
     if w.latent_out is not None:
         out = F.linear(out, w.latent_out)                                          # [T, E]
     return out + mlp(w.shared, x)

@@ -21,6 +21,7 @@ from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep, share_logits
 from tensorfold_nemotron.attention import AttentionWeights, attention
 from tensorfold_nemotron.config import NemotronConfig
+from tensorfold_nemotron.decode import fused_norm
 from tensorfold_nemotron.mamba import MambaWeights, mamba2
 from tensorfold_nemotron.mlp import MlpWeights, MoeWeights, mlp, moe
 from tensorfold_nemotron.norms import rms_norm
@@ -90,12 +91,15 @@ class NemotronModel:
         return F.linear(rms_norm(x, self.weights.norm, self.config.eps), self.weights.lm_head).float()
 
     def hidden(self, step: StreamStep, kv: KvStore) -> torch.Tensor:
-        """One stream's rows through every layer, writing its states: [T, E] before the final norm."""
-        c = self.config
+        """One stream's rows through every layer, writing its states: [T, E] before the final norm.
+
+        Each block norm runs fused with the residual add before it (decode.fused_norm: norms.rms_norm's bits, one
+        kernel on CUDA). A chunk of several rows takes the experts' prefill tiles, one row the decode step's."""
+        c, layers = self.config, self.weights.layers
         tokens = torch.tensor(step.tokens, dtype=torch.long, device=self.device)      # [T]
         x = self.weights.embed[tokens]                                                # [T, E]
-        for index, layer in enumerate(self.weights.layers):
-            h = rms_norm(x, layer.norm, c.eps)
+        h = fused_norm(x, layers[0].norm, c.eps)
+        for index, layer in enumerate(layers):
             mixer = layer.mixer
             if isinstance(mixer, MambaWeights):
                 out = mamba2(mixer, c, h, step.start, kv.fixed(index, CONV, step.slot),
@@ -103,8 +107,11 @@ class NemotronModel:
             elif isinstance(mixer, AttentionWeights):
                 out = attention(mixer, c, h, index, step, kv)
             elif isinstance(mixer, MoeWeights):
-                out = moe(mixer, c, h)
+                out = moe(mixer, c, h, kind="prefill" if len(step.tokens) > 1 else "decode")
             else:
                 out = mlp(mixer, h)
-            x = x + out
+            if index + 1 < len(layers):
+                h, x = fused_norm(out, layers[index + 1].norm, c.eps, residual=x)      # x + out, normalised
+            else:
+                x = x + out
         return x

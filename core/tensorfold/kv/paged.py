@@ -104,8 +104,10 @@ class PagedStore(KvStore):
         self._check(layer, name, values, state, entries=True)
         per_page = state.shape[1]
         table = self._table(slot)
-        entry = torch.arange(values.shape[0], device=self.device) + start // self._every[layer][name]
-        if values.shape[0] and int(entry[-1]) // per_page >= table.numel():
-            raise IndexError(f"slot {slot} writes {name!r} entry {int(entry[-1])}; its {table.numel()} pages hold "
+        first = start // self._every[layer][name]
+        last = first + values.shape[0] - 1                       # host ints: the bound check reads no device value
+        if values.shape[0] and last // per_page >= table.numel():
+            raise IndexError(f"slot {slot} writes {name!r} entry {last}; its {table.numel()} pages hold "
                              f"{table.numel() * per_page}")
+        entry = torch.arange(values.shape[0], device=self.device) + first
         state[table[entry // per_page], entry % per_page] = values

@@ -134,3 +134,35 @@ def test_triton_relu2_is_batch_invariant_and_reads_nothing_back(device):
         for patch in patches:
             patch.stop()
     assert torch.equal(out.cpu(), whole)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", base.DTYPES)
+def test_triton_prefill_kind_matches_naive_and_is_invariant_among_prefills(dtype, device):
+    """kind="prefill" (128-row expert blocks; bf16 takes larger tiles): within TOLERANCE of naive, and a row's bits
+    are the same in any prefill call, a lone row included (its one expert block is then mostly padding)."""
+    from tensorfold.kernels.moe import triton_moe
+    args = case(70, 2, 4, dtype, seed=11)
+    on_device = base.on(device, *args)
+    whole = triton_moe.routed_experts(*on_device, activation="relu2", kind="prefill").cpu()
+    torch.testing.assert_close(whole, naive.routed_experts(*args, **RELU2), **base.TOLERANCE[dtype])
+    for t in (0, 33, 69):
+        one = [a[t:t + 1] for a in on_device[:3]]
+        got = triton_moe.routed_experts(*one, *on_device[3:], activation="relu2", kind="prefill").cpu()
+        assert torch.equal(got[0], whole[t]), t
+    part = triton_moe.routed_experts(*(a[20:45] for a in on_device[:3]), *on_device[3:], activation="relu2",
+                                     kind="prefill").cpu()
+    assert torch.equal(part, whole[20:45])
+
+
+def test_prefill_tiles_are_a_function_of_the_shape_not_the_rows():
+    """The prefill kind's tiles: 128-row blocks, always grouped; the decode kind's are unchanged."""
+    from tensorfold.kernels.moe import triton_moe
+    decode = triton_moe.config_for(2688, 1856, torch.bfloat16)
+    prefill = triton_moe.config_for(2688, 1856, torch.bfloat16, "prefill")
+    assert (decode.block_m, decode.grouped_only) == (triton_moe.BLOCK_M, False)
+    assert (prefill.block_m, prefill.grouped_only) == (triton_moe.PREFILL_BLOCK_M, True)
+    assert prefill.block_f > decode.block_f
+    x, chosen, weights, up, down = case(3, 2, 4, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        routed_experts(x, chosen, weights, up, down, activation="relu2", kind="chunk")

@@ -23,9 +23,10 @@ import torch
 
 from tensorfold.kernels.backend import use_triton
 
-__all__ = ["ACTIVATIONS", "routed_experts"]
+__all__ = ["ACTIVATIONS", "KINDS", "routed_experts"]
 
 ACTIVATIONS = ("silu_gate", "relu2")
+KINDS = ("decode", "prefill")
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, x: torch.Tensor) -> None:
@@ -66,18 +67,23 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str = "silu_gate") -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode") -> torch.Tensor:
     """x [T, E], chosen [T, k] long, weights [T, k] (x's dtype), gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
     out[t] = Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
     activation="relu2": gate_up [N, F, E] holds the up weights only and the expert is down[e] @ relu(u)², u =
     gate_up[e] @ x[t] (Nemotron-H's experts; layouts in the module docstring).
 
+    kind: "decode" (a step's one row per stream) or "prefill" (a prefill chunk's rows) picks the Triton tiles; a
+    row's bits are the same in any batch of one kind (triton_moe). The naive path has one form for both.
+
     On the CPU the expert ids are checked to lie in [0, N); on the GPU that would cost a sync, so there an id
     outside the range contributes nothing."""
     check(x, chosen, weights, gate_up, down, activation)
+    if kind not in KINDS:
+        raise ValueError(f"routed_experts: kind must be one of {KINDS}, got {kind!r}")
     if use_triton(x):
         from tensorfold.kernels.moe import triton_moe
-        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation)
+        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation, kind)
     N = gate_up.shape[0]
     if not x.is_cuda and chosen.numel() and not bool(((chosen >= 0) & (chosen < N)).all()):
         raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")

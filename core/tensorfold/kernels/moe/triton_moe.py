@@ -15,11 +15,14 @@ rows at most, so `cdiv(that, BLOCK_M)` blocks, of which those past the used rows
 graph. Each pair's contribution has one writer and the per-row sum runs in a fixed order (no atomics), so the
 result is deterministic. Expert ids outside [0, N) contribute nothing.
 
-Batch invariance: the config (block sizes, K-loop order, warps, dot precision) is a function of (E, F, dtype)
-alone, never of T, and a row's products read only its own x row and its experts' weights, so a row's output bits
-are the same alone or inside any batch. Float32 dots run in IEEE float32 (no TF32); bfloat16 dots accumulate in
-float32. Each intermediate is rounded to x's dtype where the reference's torch ops round; bfloat16 rounding is
-done on the bits (nearest even) because triton's interpreter truncates on `.to(tl.bfloat16)`.
+Batch invariance: the config (block sizes, K-loop order, warps, dot precision) is a function of (E, F, dtype) and
+the call's kind alone, never of T, and a row's products read only its own x row and its experts' weights, so a
+row's output bits are the same alone or inside any batch of its kind. Two kinds: "decode" (the default: small
+tiles, for a step's one row per stream) and "prefill" (a prefill chunk's rows: 128-row expert blocks and larger
+tiles, for thousands of rows sharing each expert); a row's bits may differ between the kinds. Float32 dots run in
+IEEE float32 (no TF32); bfloat16 dots accumulate in float32. Each intermediate is rounded to x's dtype where the
+reference's torch ops round; bfloat16 rounding is done on the bits (nearest even) because triton's interpreter
+truncates on `.to(tl.bfloat16)`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import triton.language as tl
 
 from tensorfold.kernels.triton_rounding import round_to
 
-BLOCK_M = 16          # rows per expert block: every group is padded to a multiple of it
-PAIR_BLOCKS_UP_TO = 64  # at most this many (row, expert) pairs: one block per pair, no grouping
+BLOCK_M = 16          # decode: rows per expert block; every group is padded to a multiple of it
+PREFILL_BLOCK_M = 128  # prefill: rows per expert block (bench/moe_tiles.py picked the tiles)
+PAIR_BLOCKS_UP_TO = 64  # decode, at most this many (row, expert) pairs: one block per pair, no grouping
+KINDS = ("decode", "prefill")
 
 
 @attrs.frozen
@@ -48,17 +53,30 @@ class Config:
     block_sum: int        # sum: features per program
     precision: str        # tl.dot input precision
     num_warps: int = 4
+    block_m: int = BLOCK_M    # rows per expert block
+    num_stages: int = 3       # software pipelining depth of the K loops
+    grouped_only: bool = False  # never the one-block-per-pair form (prefill: many rows share an expert)
 
 
-def config_for(E: int, F: int, dtype: torch.dtype) -> Config:
-    """The fixed config of a shape and dtype (tl.dot wants every tile dim ≥ 16)."""
-    def tile(size: int, most: int) -> int:
-        return max(16, min(most, triton.next_power_of_2(size)))
+def tile(size: int, most: int) -> int:
+    """A power-of-two tile of at most `most` (and at least 16, as tl.dot wants) for a dimension of `size`."""
+    return max(16, min(most, triton.next_power_of_2(size)))
 
+
+def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Config:
+    """The fixed config of a shape, dtype and kind of call; `kind` in KINDS (module docstring)."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    block_sum = min(1024, triton.next_power_of_2(E))
+    if kind == "prefill" and dtype != torch.float32:
+        return Config(block_f=tile(F, 128), block_k_e=tile(E, 64), block_e=tile(E, 128), block_k_f=tile(F, 64),
+                      block_sum=block_sum, precision=precision, num_warps=8, block_m=PREFILL_BLOCK_M,
+                      num_stages=3, grouped_only=True)
     step = 32 if dtype == torch.float32 else 64
+    if kind == "prefill":   # float32 (the checking mode): the decode tiles, grouped in 128-row blocks
+        return Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
+                      block_sum=block_sum, precision=precision, block_m=PREFILL_BLOCK_M, grouped_only=True)
     return Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
-                  block_sum=min(1024, triton.next_power_of_2(E)),
-                  precision="ieee" if dtype == torch.float32 else "tf32")
+                  block_sum=block_sum, precision=precision)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -175,16 +193,17 @@ def blocks_bound(P: int, N: int, block_m: int) -> int:
     return triton.cdiv(P + min(N, P) * (block_m - 1), block_m)
 
 
-def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BLOCK_M) -> Alignment:
+def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BLOCK_M,
+          grouped_only: bool = False) -> Alignment:
     """Sort the (row, j) pairs by expert and pad each group to block_m rows, with device ops only; a few pairs
-    (decode) get a block each instead, which skips the grouping's dozen small launches."""
+    (decode, unless grouped_only) get a block each instead, which skips the grouping's dozen small launches."""
     T, k = chosen.shape
     P, device = T * k, chosen.device
     ordered, perm = chosen.sort(dim=1, stable=True)                       # a row's pairs in ascending expert
     weight = weights.gather(1, perm).reshape(P)
     expert = ordered.reshape(P)
     expert = torch.where((expert >= 0) & (expert < N), expert, N)         # out of range -> group N, dropped
-    if P <= PAIR_BLOCKS_UP_TO:
+    if P <= PAIR_BLOCKS_UP_TO and not grouped_only:
         return Alignment(expert=expert.to(torch.int32), weight=weight, row_pair=_lone_rows(P, block_m, device),
                          block_expert=expert.to(torch.int32))
     grouped, order = torch.sort(expert, stable=True)                      # pairs grouped by expert
@@ -205,9 +224,10 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str = "silu_gate") -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
+                   config: Config | None = None) -> torch.Tensor:
     """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
-    down [N, E, F] -> [T, E]."""
+    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
@@ -220,21 +240,21 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         return out
     if F == 0:
         return out.zero_()
-    cfg = config_for(E, F, x.dtype)
-    plan = align(chosen, weights, N)
+    cfg = config or config_for(E, F, x.dtype, kind)
+    plan = align(chosen, weights, N, cfg.block_m, cfg.grouped_only)
     P, blocks = T * k, plan.block_expert.shape[0]
-    hidden = torch.empty((blocks * BLOCK_M, F), dtype=x.dtype, device=x.device)
+    hidden = torch.empty((blocks * cfg.block_m, F), dtype=x.dtype, device=x.device)
     contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(F, cfg.block_f))](
         x, gate_up, hidden, plan.row_pair, plan.block_expert, P, N, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0), E=E, F=F,
-        BLOCK_M=BLOCK_M, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision, RELU2=relu2,
-        num_warps=cfg.num_warps)
+        BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision, RELU2=relu2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _down_kernel[(blocks, triton.cdiv(E, cfg.block_e))](
         hidden, down, plan.weight, contrib, plan.row_pair, plan.block_expert, P, N,
         hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), contrib.stride(0), E=E, F=F,
-        BLOCK_M=BLOCK_M, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k_f, PRECISION=cfg.precision,
-        num_warps=cfg.num_warps)
+        BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k_f, PRECISION=cfg.precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _sum_kernel[(T, triton.cdiv(E, cfg.block_sum))](
         contrib, plan.expert, out, N, contrib.stride(0), out.stride(0), E=E, K_TOP=k, BLOCK=cfg.block_sum,
         num_warps=cfg.num_warps)

@@ -55,10 +55,10 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     """The naive module's chunk_ssd (one stream with an [H, P, N] state, or S packed streams with [S, H, P, N]
     states) through fla's chunk_simple_gla.
 
-    Always called in varlen form (B = 1 with cu_seqlens, even for one stream), so one stream alone and the same
-    stream inside a batch run the same kernel specialisations. The start positions matter only with `align_grid`:
-    each stream then gets start % 64 zero rows in front, putting fla's chunks on the absolute grid the naive version
-    uses (a zero row changes nothing; it costs a copy of the inputs).
+    Several streams go in fla's varlen form (B = 1 with cu_seqlens); one stream alone in its dense form, which gives
+    the same bits on the GPU (test_ssd_gpu.py) without the varlen form's host wait. The start positions matter only
+    with `align_grid`: each stream then gets start % 64 zero rows in front, putting fla's chunks on the absolute grid
+    the naive version uses (a zero row changes nothing; it costs a copy of the inputs).
     """
     states, bounds, starts = as_packed(x.shape[0], initial_state, start, cu_seqlens, starts)
     T, H, P = x.shape
@@ -71,7 +71,7 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                                     **streams)
 
     q, k, v, g = as_gla(x, dt, A, B, C)
-    out, final = chunk_varlen(q, k, v, g, g, states, bounds, starts, align_grid, CHUNK, fla_op)
+    out, final = chunk_varlen(q, k, v, g, g, states, bounds, starts, align_grid, CHUNK, fla_op, dense_alone=True)
     out = out.to(x.dtype)
     return (out, final) if cu_seqlens is not None else (out, final[0])
 
