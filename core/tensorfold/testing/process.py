@@ -23,7 +23,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """The server at `url` answers /health with 200 now."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=1) as reply:
             return reply.status == 200
@@ -45,7 +46,7 @@ def serving(args: list[str], log: Path, env: Mapping[str, str] | None = None,
                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
+        while not healthy(url):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"tensorfold serve did not come up (exit {process.poll()}):\n{tail(log)}")
             time.sleep(0.2)
