@@ -122,6 +122,7 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--kv-gib {settings.kv_gib} must be above 0")
     found += server_refusals(settings)
     found += learn_refusals(settings)
+    found += tp_refusals(settings)
     if settings.dtype not in ("auto", *DTYPES):
         found.append(f"--dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     try:
@@ -136,6 +137,28 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
         found.append(f"--family {family.name} serves {', '.join(family.model_types)}, but the checkpoint at "
                      f"{checkpoint.directory} is model_type {checkpoint.model_type!r}")
     return [Refusal("core", message) for message in found]
+
+
+def tp_refusals(settings: Settings) -> list[str]:
+    """What tensor parallelism cannot do yet, and its flags' values: kept states are not sent to followers in this
+    slice of the follow protocol (docs/architecture.md, "Tensor parallelism"), so every tier must be off."""
+    world = settings.tensor_parallel
+    found = []
+    if world < 1:
+        found.append(f"--tensor-parallel-size {world} must be at least 1")
+    if settings.tp_timeout_s <= 0:
+        found.append(f"--tp-timeout {settings.tp_timeout_s:g} must be above 0 seconds")
+    if world > 1:
+        tiers = [flag for flag, on in (("--prompt-cache-gib", settings.prompt_cache_gib > 0),
+                                       ("--host-cache-gib", settings.host_cache_gib is None
+                                        or settings.host_cache_gib > 0),
+                                       ("--learn-conversations", settings.learn)) if on]
+        if tiers:
+            found.append(f"--tensor-parallel-size {world} keeps no prompt states yet: turn off {', '.join(tiers)} "
+                         "(--prompt-cache-gib 0 --host-cache-gib 0, no --learn-conversations)")
+        found.append(f"--tensor-parallel-size {world}: `tensorfold serve` does not start followers yet; the follow "
+                     "protocol runs through tensorfold.follow (docs/architecture.md, \"Tensor parallelism\")")
+    return found
 
 
 def server_refusals(settings: Settings) -> list[str]:
@@ -231,6 +254,7 @@ def all_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) -> 
     found = core_refusals(settings, family, checkpoint)
     if checkpoint.model_type in family.model_types:
         found += [Refusal(family.name, m) for m in family.refusals(checkpoint.config, settings)]
+        found += [Refusal(family.name, m) for m in family.tp_refusals(checkpoint.config, settings.tensor_parallel)]
     return found
 
 

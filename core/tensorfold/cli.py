@@ -28,6 +28,7 @@ from tensorfold.settings import (
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_PROMPT_CACHE_GIB,
     DEFAULT_STEP_ROWS,
+    DEFAULT_TP_TIMEOUT_S,
     SwitchError,
     read_settings,
 )
@@ -106,7 +107,10 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed the random see
                                              "server run draws the same sequence of them (default: from the OS).")]
 MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", hidden=True, help="vLLM's name: --context.")]
 MaxNumSeqsOpt = Annotated[int | None, typer.Option("--max-num-seqs", hidden=True, help="vLLM's name: --parallel.")]
-TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", hidden=True, help="vLLM's name; only 1 for now.")]
+TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="Ranks of tensor parallelism (rank 0 "
+                                    "drives, the others follow); above 1 is refused until serve starts followers.")]
+TpTimeoutOpt = Annotated[float, typer.Option("--tp-timeout", help="Seconds a tensor-parallel rank may be silent "
+                                             "before it is lost and the server stops.")]
 
 
 def _hosts(values: list[str] | None) -> tuple[str, ...]:
@@ -142,12 +146,8 @@ def _model(positional: Path | None, flag: Path | None) -> Path | None:
     return positional if positional is not None else flag
 
 
-def _aliases(context: int, parallel: str, max_model_len: int | None, max_num_seqs: int | None,
-             tensor_parallel_size: int) -> tuple[int, str]:
+def _aliases(context: int, parallel: str, max_model_len: int | None, max_num_seqs: int | None) -> tuple[int, str]:
     """vLLM's flag names, read as ours: --max-model-len is --context, --max-num-seqs is --parallel."""
-    if tensor_parallel_size != 1:
-        _fail(f"--tensor-parallel-size {tensor_parallel_size}: tensor parallelism is not built yet; this server runs "
-              f"on one device (--device)")
     if max_model_len is not None:
         if context not in (DEFAULT_CONTEXT, max_model_len):
             _fail(f"--max-model-len {max_model_len} and --context {context} disagree: give one (--context is ours)")
@@ -204,13 +204,14 @@ def serve(
     max_model_len: MaxModelLenOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None,
     tensor_parallel_size: TpOpt = 1,
+    tp_timeout: TpTimeoutOpt = DEFAULT_TP_TIMEOUT_S,
 ) -> None:
     """Serve a checkpoint (MODEL, or --model; none: the family's embedded default) over the OpenAI-compatible HTTP
     API."""
     from tensorfold.preflight import serve_problems
 
     model = _model(model_arg, model)
-    context, parallel = _aliases(context, parallel, max_model_len, max_num_seqs, tensor_parallel_size)
+    context, parallel = _aliases(context, parallel, max_model_len, max_num_seqs)
     problems = serve_problems(host, port, log_level, model)  # before anything loads: one sentence each
     if problems:
         _fail("\n".join(problems))
@@ -230,7 +231,8 @@ def serve(
                                      allowed_hosts=_hosts(allowed_hosts), isolate_cache_by_key=isolate_cache_by_key,
                                      special_tokens_in_content=special_tokens_in_content,
                                      header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                                     max_connections=max_connections, seed=seed)
+                                     max_connections=max_connections, seed=seed,
+                                     tensor_parallel=tensor_parallel_size, tp_timeout_s=tp_timeout)
         from tensorfold.boot import boot
 
         loaded = boot(settings, chosen)

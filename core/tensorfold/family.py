@@ -17,6 +17,7 @@ from tensorfold.image import ImageFormat
 from tensorfold.kv import KvStore
 from tensorfold.layout import Layout
 from tensorfold.plan import StepPlan
+from tensorfold.shard import SINGLE, Shard, TensorParallel
 
 SWITCH_NAME = re.compile(r"^TF_[A-Z0-9_]+$")
 
@@ -78,13 +79,31 @@ class Family:
             raise self.fail(f"family_identity must return a mapping of str to str, got {identity!r}")
         return Declarations(layout=layout, image=image, identity=dict(identity))
 
-    def load(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> FamilyModel:
-        """Build the model; the answer must be a FamilyModel."""
-        model = self.call("family_load", checkpoint=checkpoint, dtype=dtype, device=device)
+    def load(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+             shard: Shard = SINGLE) -> FamilyModel:
+        """Build the model (this rank's part of it with a shard of world N); the answer must be a FamilyModel."""
+        model = self.call("family_load", checkpoint=checkpoint, dtype=dtype, device=device, shard=shard)
         if not isinstance(model, FamilyModel):
             raise self.fail(f"family_load returned {type(model).__name__}, which lacks forward(plan, kv) "
                             "or vocab_size")
         return model
+
+    def tensor_parallel(self, config: Mapping[str, Any]) -> TensorParallel | None:
+        """The family's cuts for tensor parallelism, None when it declares none (it serves at TP=1 alone)."""
+        found = self.call("family_tensor_parallel", config=config)
+        if found is not None and not isinstance(found, TensorParallel):
+            raise self.fail(f"family_tensor_parallel must return a TensorParallel, got {type(found).__name__}")
+        return found
+
+    def tp_refusals(self, config: Mapping[str, Any], world: int) -> list[str]:
+        """Why this family cannot run at TP=`world`: no declaration, or a count the world does not divide."""
+        if world == 1:
+            return []
+        found = self.tensor_parallel(config)
+        if found is None:
+            return [f"family {self.name!r} (plugin {self.module}) declares no family_tensor_parallel: it serves at "
+                    "--tensor-parallel-size 1 only"]
+        return [f"family {self.name!r} (plugin {self.module}): {line}" for line in found.refusals(world)]
 
     def refusals(self, config: Mapping[str, Any], settings: Any) -> list[str]:
         """The family's own refusals for these settings."""

@@ -22,11 +22,13 @@ if TYPE_CHECKING:
     from tensorfold.image import ImageFormat
     from tensorfold.layout import Layout
     from tensorfold.settings import Settings
+    from tensorfold.shard import Shard, TensorParallel
 
 PROJECT = "tensorfold"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
-OPTIONAL = ("family_chat_format",)      # a family may leave these out (docs/hooks.md gives each one's default)
+# a family may leave these out (docs/hooks.md gives each one's default)
+OPTIONAL = ("family_chat_format", "family_tensor_parallel")
 
 
 # ---------------------------------------------------------------- what the family serves
@@ -39,8 +41,9 @@ def family_model_types() -> Sequence[str]:
 # ---------------------------------------------------------------- checkpoints and the model
 
 @hookspec(firstresult=True)
-def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> FamilyModel:
-    """Build the model from an HF-format checkpoint, so the core never reads a family's weight names."""
+def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, shard: Shard) -> FamilyModel:
+    """Build the model from an HF-format checkpoint, so the core never reads a family's weight names; with a
+    `shard` of world N the checkpoint yields this rank's slices and the model reduces its row-parallel outputs."""
 
 
 @hookspec(firstresult=True)
@@ -68,6 +71,12 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
 @hookspec(firstresult=True)
 def family_request_starts_switch() -> str:
     """The name of the TF_* switch that turns cutting at request starts on or off for this family."""
+
+
+@hookspec(firstresult=True)
+def family_tensor_parallel(config: Mapping[str, Any]) -> TensorParallel:
+    """Which tensors are column-, row-parallel or replicated, which states split by head, and what must divide the
+    world, so the core can cut the checkpoint and the Layout per rank (optional: without it, TP=1 only)."""
 
 
 # ---------------------------------------------------------------- refusals

@@ -89,15 +89,8 @@ class StreamMemory:
     def copy_state(self, src: Claim, dst: Claim, at: int) -> None:
         """Give `dst` the state `src` holds at row `at` (a fork of a stream at its prompt's end): every fixed state
         of its slot, and the entries of every row state for rows [0, at), in pages of its own (or its window)."""
-        kv = self.kv
         self.extend(dst, at)
-        for i, layer in enumerate(kv.layout.layers):
-            for spec in layer.fixed:
-                kv.write_fixed(i, spec.name, dst.slot, kv.fixed(i, spec.name, src.slot))
-            for spec in layer.rows:
-                entries = kv.rows(i, spec.name, src.slot, at)
-                if entries.shape[0]:
-                    kv.write_rows(i, spec.name, dst.slot, 0, entries)
+        self.kv.copy_slot(src.slot, dst.slot, at)
 
     def release(self, claim: Claim) -> None:
         """Return the slot and every page."""

@@ -24,6 +24,7 @@ REQUEST_BYTES_PER_TOKEN = 64      # the default body limit's allowance per conte
 DEFAULT_HEADER_TIMEOUT_S = 10.0   # a connection that has not sent its whole request head by then is closed
 DEFAULT_BODY_TIMEOUT_S = 30.0     # a request whose body has not arrived whole by then is answered 408
 DEFAULT_MAX_CONNECTIONS = 512     # connections (and their tasks) served at once; past it, 503
+DEFAULT_TP_TIMEOUT_S = 30.0       # a tensor-parallel collective waits this long for a rank before it is lost
 API_KEY_ENV = "TF_API_KEY"        # one API key from the environment (kept out of the process list)
 CORE_SWITCHES: tuple[tuple[str, bool], ...] = (
     ("TF_KV_PAGES", True),    # off: each stream owns one contiguous window (the reference layout)
@@ -127,6 +128,8 @@ class Settings:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    tensor_parallel: int = 1               # --tensor-parallel-size (--tp): ranks, rank 0 driving (follow/)
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S  # --tp-timeout: a rank silent this long is lost (the server stops)
 
     @property
     def request_bytes(self) -> int:

@@ -51,9 +51,28 @@ def test_hook_family_model_types(example):
 def test_hook_family_load(example, tiny_dir):
     model = example.load(Checkpoint(tiny_dir), torch.float32, torch.device("cpu"))
     assert isinstance(model, FamilyModel) and model.vocab_size == 512
-    family = bound(family_load=lambda checkpoint, dtype, device: object())
+    family = bound(family_load=lambda checkpoint, dtype, device, shard: object())
     with pytest.raises(PluginError, match=r"'broken'.*family_load returned object"):
         family.load(Checkpoint(tiny_dir), torch.float32, torch.device("cpu"))
+
+
+def test_hook_family_tensor_parallel(example, tiny_dir):
+    from tensorfold.shard import TensorParallel
+
+    config = Checkpoint(tiny_dir).config                 # 4 heads, 2 KV heads, 128 MLP columns
+    assert isinstance(example.tensor_parallel(config), TensorParallel)
+    assert example.tp_refusals(config, 1) == example.tp_refusals(config, 2) == []
+    found = example.tp_refusals(config, 3)
+    assert len(found) == 3 and all(line.startswith("family 'example' (plugin tensorfold_example.plugin): "
+                                                   "--tensor-parallel-size 3 does not divide the ") for line in found)
+    assert any("KV heads (num_key_value_heads), 2" in line for line in found)
+    family = bound(family_tensor_parallel=lambda config: {"heads": 4})
+    with pytest.raises(PluginError, match=r"'broken'.*family_tensor_parallel must return a TensorParallel"):
+        family.tensor_parallel(config)
+    silent = bound(family_tensor_parallel=lambda config: None)
+    [line] = silent.tp_refusals(config, 2)
+    assert line.startswith("family 'broken' (plugin ") and line.endswith(
+        "declares no family_tensor_parallel: it serves at --tensor-parallel-size 1 only")
 
 
 def test_hook_family_make_tiny(example, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorfold.engine.api import DeviceLost
+from tensorfold.shard import RankLost
 
 CAUSES_FOLLOWED = 8  # how deep `raise ... from` chains are searched for a lost device
 
@@ -14,10 +15,11 @@ class LoopStopped(Exception):
 
 
 def device_lost(err: BaseException) -> bool:
-    """A family's DeviceLost, or torch's accelerator errors (a CUDA error is sticky: the context cannot compute
-    any more), here or in what it was raised from; an out-of-memory error is not one."""
+    """A family's DeviceLost, a tensor-parallel rank lost (shard.RankLost: the ranks cannot stay in step), or
+    torch's accelerator errors (a CUDA error is sticky: the context cannot compute any more), here or in what it
+    was raised from; an out-of-memory error is not one."""
     for _ in range(CAUSES_FOLLOWED):
-        if isinstance(err, DeviceLost | torch.AcceleratorError):
+        if isinstance(err, DeviceLost | RankLost | torch.AcceleratorError):
             return True
         if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) and "CUDA error" in str(err):
             return True
@@ -42,6 +44,18 @@ def death_reason(err: BaseException) -> str:
     """Why the loop stopped for good, in one line, for /health, the log and every request it fails."""
     if isinstance(err, LoopStopped):
         return str(err)
+    lost = next((e for e in _chain(err) if isinstance(e, RankLost)), None)
+    if lost is not None:
+        return f"a tensor-parallel rank is lost: {lost}"
     if device_lost(err):
         return f"the device is lost: {named(err)}"
     return f"the step loop failed: {named(err)}"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and what it was raised from, as deep as device_lost looks."""
+    found: list[BaseException] = []
+    while err is not None and len(found) < CAUSES_FOLLOWED:
+        found.append(err)
+        err = err.__cause__
+    return found

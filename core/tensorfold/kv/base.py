@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorfold.kv.journal import Clear, Command, Copy
 from tensorfold.layout import DTYPES, Layout
 
 
@@ -31,6 +32,7 @@ class KvStore:
             for layer in layout.layers
         ]
         self._every = [{s.name: s.every for s in layer.rows} for layer in layout.layers]
+        self.journal: list[Command] | None = None  # rank 0 of a TP world: what a follower replays (kv/journal.py)
 
     def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
         """The entries of a row state for positions [0, end): [entries, *shape]."""
@@ -79,9 +81,30 @@ class KvStore:
 
     def clear(self, slot: int) -> None:
         """Ready a slot for a new stream: its fixed states zeroed."""
+        if self.journal is not None:
+            self.journal.append(Clear(slot))
         for layer in self._fixed:
             for state in layer.values():
                 state[slot].zero_()
+
+    def copy_slot(self, src: int, dst: int, at: int) -> None:
+        """Give slot `dst` what slot `src` holds at row `at`: every fixed state, and the entries of every row state
+        for rows [0, at) (dst's table must cover them)."""
+        if self.journal is not None:
+            self.journal.append(Copy(src, dst, at))
+        for i, layer in enumerate(self.layout.layers):
+            for spec in layer.fixed:
+                self.write_fixed(i, spec.name, dst, self.fixed(i, spec.name, src))
+            for spec in layer.rows:
+                entries = self.rows(i, spec.name, src, at)
+                if entries.shape[0]:
+                    self.write_rows(i, spec.name, dst, 0, entries)
+
+    def bind(self, slot: int, table: list[int]) -> None:
+        """Set the slot's page table (a store without pages has none to set)."""
+
+    def fill(self, pages: list[int]) -> None:
+        """Poison pages (a store without pages has none)."""
 
     @property
     def fixed_nbytes(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tensorfold.kv.base import KvStore
+from tensorfold.kv.journal import Bind, Fill
 from tensorfold.layout import DTYPES, Layout
 
 
@@ -46,6 +47,8 @@ class PagedStore(KvStore):
     def bind(self, slot: int, table: list[int]) -> None:
         """Set the slot's page table (its pages in row order). Its device copy is made when a forward first reads
         it: a decode step that reads the host tables (engine/graphs.py) never waits for a copy."""
+        if self.journal is not None:
+            self.journal.append(Bind(slot, table))
         self._tables[slot] = None
         self._host_tables[slot] = tuple(table)
 
@@ -81,6 +84,8 @@ class PagedStore(KvStore):
         """Poison freshly handed-out pages with NaN (TF_KV_POISON), so a read of an unwritten row shows."""
         if not pages:
             return
+        if self.journal is not None:
+            self.journal.append(Fill(pages))
         index = torch.tensor(pages, dtype=torch.long, device=self.device)
         for layer in self._pages:
             for state in layer.values():

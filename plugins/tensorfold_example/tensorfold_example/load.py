@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
+from tensorfold.shard import SINGLE, Shard, Split, StateSplit, TensorParallel
 from tensorfold_example.model import ExampleConfig, ExampleModel, LayerWeights, Weights
 
 NESTED = "model.language_model."
@@ -81,14 +82,28 @@ def check_names(names: list[str], config: ExampleConfig) -> int:
                               model="dense qwen3")
 
 
-def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> ExampleModel:
-    """Read every weight once, shard by shard, into `dtype` on `device`, and build the model."""
-    config = ExampleConfig.from_dict(checkpoint.config)
+def tensor_parallel(c: ExampleConfig) -> TensorParallel:
+    """Megatron's cuts: q/k/v and gate/up by output column (whole heads), o and down by input column (their outputs
+    summed over ranks), the rest whole; keys and values split by KV head."""
+    return TensorParallel(
+        divides={"attention heads (num_attention_heads)": c.heads, "KV heads (num_key_value_heads)": c.kv_heads,
+                 "MLP columns (intermediate_size)": c.intermediate_size},
+        params=[Split("*.self_attn.[qkv]_proj.*", "column"), Split("*.mlp.gate_proj.weight", "column"),
+                Split("*.mlp.up_proj.weight", "column"), Split("*.self_attn.o_proj.*", "row"),
+                Split("*.mlp.down_proj.weight", "row"), Split("*", "replicated")],
+        states=[StateSplit("k", 0), StateSplit("v", 0)])
+
+
+def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True,
+         shard: Shard = SINGLE) -> ExampleModel:
+    """Read every weight once, shard by shard, into `dtype` on `device`, and build the model (this rank's part of
+    it: the checkpoint a rank reads yields its slices, follow/sharded.py)."""
+    config = ExampleConfig.from_dict(checkpoint.config).on_rank(shard)
     check_names(checkpoint.names(), config)
     shapes = expected_shapes(config)
     found = {key: tensor.to(device=device, dtype=dtype).contiguous()
              for key, tensor in expected_tensors(checkpoint, shapes, canonical, progress)}
-    return ExampleModel(config, build_weights(config, found))
+    return ExampleModel(config, build_weights(config, found), shard)
 
 
 def build_weights(config: ExampleConfig, found: dict[str, torch.Tensor]) -> Weights:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
 from tensorfold.plan import StepPlan, StreamStep, share_logits
+from tensorfold.shard import SINGLE, Shard
 
 # ---------------------------------------------------------------- the config record
 
@@ -54,6 +55,14 @@ class ExampleConfig:
     max_positions: int
     tie_word_embeddings: bool
     attention_bias: bool
+
+    def on_rank(self, shard: Shard) -> ExampleConfig:
+        """This rank's config: its share of the query heads, KV heads and MLP columns (the rest is whole)."""
+        if shard.world == 1:
+            return self
+        return attrs.evolve(self, heads=shard.split(self.heads, "num_attention_heads"),
+                            kv_heads=shard.split(self.kv_heads, "num_key_value_heads"),
+                            intermediate_size=shard.split(self.intermediate_size, "intermediate_size"))
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ExampleConfig:
@@ -148,8 +157,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class ExampleModel:
     """A loaded Qwen3 checkpoint; `forward(plan, kv)` is the FamilyModel entry the engine calls."""
 
-    def __init__(self, config: ExampleConfig, weights: Weights) -> None:
-        self.config = config
+    def __init__(self, config: ExampleConfig, weights: Weights, shard: Shard = SINGLE) -> None:
+        self.config = config                                          # this rank's: its heads, its MLP columns
+        self.shard = shard
         self.weights = weights
         self.vocab_size = config.vocab_size
         self.dtype = weights.embed.dtype
@@ -227,8 +237,13 @@ class ExampleModel:
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)                         # [H, T, S]
         out = torch.einsum("hts,shd->thd", probs, values)                                 # [T, H, D]
-        return F.linear(out.reshape(T, c.heads * c.head_dim), layer.o_proj, layer.o_bias)  # [T, E]
+        out = out.reshape(T, c.heads * c.head_dim)                                        # [T, H*D]
+        if self.shard.world == 1:
+            return F.linear(out, layer.o_proj, layer.o_bias)                              # [T, E]
+        out = self.shard.reduce(F.linear(out, layer.o_proj))      # row-parallel: every rank's heads, in rank order
+        return out if layer.o_bias is None else out + layer.o_bias
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: [T, E] -> [T, F] -> [T, E]."""
-        return F.linear(F.silu(F.linear(x, layer.gate_proj)) * F.linear(x, layer.up_proj), layer.down_proj)
+        """SwiGLU: [T, E] -> [T, F] -> [T, E] (F this rank's columns; the down projection summed over ranks)."""
+        return self.shard.reduce(F.linear(F.silu(F.linear(x, layer.gate_proj)) * F.linear(x, layer.up_proj),
+                                          layer.down_proj))

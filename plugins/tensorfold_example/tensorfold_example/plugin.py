@@ -18,6 +18,7 @@ from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.layout import LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
+from tensorfold.shard import Shard, TensorParallel
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_example import load as loader
 from tensorfold_example.model import ExampleConfig, ExampleModel, rope_parameters
@@ -63,8 +64,13 @@ def family_request_starts_switch() -> str:
 # ---------------------------------------------------------------- checkpoints and the model
 
 @hookimpl
-def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> ExampleModel:
-    return loader.load(checkpoint, dtype, device)
+def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, shard: Shard) -> ExampleModel:
+    return loader.load(checkpoint, dtype, device, shard=shard)
+
+
+@hookimpl
+def family_tensor_parallel(config: Mapping[str, Any]) -> TensorParallel:
+    return loader.tensor_parallel(ExampleConfig.from_dict(config))
 
 
 @hookimpl

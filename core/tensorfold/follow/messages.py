@@ -1,0 +1,48 @@
+"""The records rank 0 sends its followers, in order, over one broadcast each (channel.py).
+
+    Start   once, first: the shape of the store every rank builds (kind, slots, pages, page rows, window)
+    Step    before rank 0 runs a forward: the store commands since the last step (kv/journal.py: clear, bind,
+            fill, copy), then the StepPlan itself; a follower applies the commands in order and runs the same plan
+    Stop    rank 0 is stopping (its reason said once in each follower's log); followers return
+
+A follower decides nothing: slots, pages, positions and tokens (the sampled ones included, inside the plan) are all
+rank 0's. Kept states (keep, evict, restore, drop) are not sent yet: at TP above 1 the kept-state tiers are
+refused (boot), so no value written outside a forward exists only on rank 0.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from tensorfold.kv.journal import Command
+from tensorfold.plan import StepPlan
+
+
+@attrs.frozen
+class Start:
+    """The store every rank builds: the same slots and pages as rank 0's, over its own part of each state."""
+
+    paged: bool
+    slots: int
+    pages: int
+    page_rows: int
+    capacity: int        # a window store's rows per slot (TF_KV_PAGES off)
+    poison: bool
+
+
+@attrs.frozen
+class Step:
+    """One step: what rank 0 did to its store since the last one, then the plan every rank runs."""
+
+    commands: tuple[Command, ...] = attrs.field(converter=tuple)
+    plan: StepPlan
+
+
+@attrs.frozen
+class Stop:
+    """Rank 0 stops; its reason, for the followers' logs."""
+
+    reason: str
+
+
+Message = Start | Step | Stop

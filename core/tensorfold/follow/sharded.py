@@ -1,0 +1,28 @@
+"""A checkpoint as one rank reads it: every tensor cut by the family's TensorParallel rules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold.shard import Shard, TensorParallel
+
+
+class ShardedCheckpoint(Checkpoint):
+    """The same directory, config and names; `tensor` and `tensors` give this rank's slice of each tensor."""
+
+    def __init__(self, base: Checkpoint, parallel: TensorParallel, shard: Shard) -> None:
+        self.__dict__.update(base.__dict__)
+        self.parallel = parallel
+        self.shard = shard
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """This rank's slice of one tensor."""
+        return self.parallel.part(name, super().tensor(name), self.shard.rank, self.shard.world)
+
+    def tensors(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's slice of every tensor, shard by shard."""
+        for name, tensor in super().tensors(progress):
+            yield name, self.parallel.part(name, tensor, self.shard.rank, self.shard.world)

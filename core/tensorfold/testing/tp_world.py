@@ -1,0 +1,169 @@
+"""Real tensor-parallel worlds for tests: each rank a spawned process joined over gloo on the loopback, rank 0
+serving requests through the Engine and its followers replaying its steps (follow/)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from tensorfold.checkpoint import Checkpoint
+from tensorfold.engine.api import Sampling
+from tensorfold.engine.runner import Engine
+from tensorfold.family import FamilyModel
+from tensorfold.follow.channel import join, leave
+from tensorfold.follow.follower import follow
+from tensorfold.follow.leader import Leader
+from tensorfold.follow.rank import load_rank
+from tensorfold.kv import KvStore, PagedStore
+from tensorfold.memory import StreamMemory
+from tensorfold.plan import StepPlan
+from tensorfold.plugins import load_families
+from tensorfold.pool.pages import PagePool
+from tensorfold.pool.slots import SlotPool
+from tensorfold.service import EngineDead
+from tensorfold.shard import SINGLE
+from tensorfold.testing.engine_gates import Client, running
+
+
+@attrs.frozen
+class Job:
+    """What every rank of one world runs: the family, its checkpoint, the requests and the memory."""
+
+    family: str
+    model: Path
+    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=tuple)
+    max_tokens: int = 12
+    parallel: int = 4
+    pages: int = 64
+    page_rows: int = 16
+    chunk: int = 8
+    context: int = 256
+    timeout_s: float = 10.0
+    die_after: int | None = None       # a follower kills itself (SIGKILL) after this many steps
+
+
+def free_port() -> int:
+    """A port free on the loopback now (rank 0 listens on it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Recorder:
+    """A FamilyModel that keeps every logits row its model returns, in order."""
+
+    def __init__(self, model: FamilyModel) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.rows: list[torch.Tensor] = []
+
+    def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
+        """The model's forward, its rows kept."""
+        out = self.model.forward(plan, kv)
+        self.rows.append(out.detach().clone())
+        return out
+
+
+class Dying:
+    """A follower's model that SIGKILLs its own process before its step number `after`: a rank dying mid-run."""
+
+    def __init__(self, model: FamilyModel, after: int) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.after = after
+        self.steps = 0
+
+    def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
+        """Run, until the step it dies at."""
+        if self.steps == self.after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.steps += 1
+        return self.model.forward(plan, kv)
+
+
+def serve(engine: Engine, prompts: Sequence[tuple[int, ...]], max_tokens: int, together: bool) -> list[dict]:
+    """Each prompt's greedy reply and how it ended (alone: one after another; together: all submitted at once)."""
+    sampling = Sampling(temperature=0.0, max_tokens=max_tokens)
+    clients = [Client(f"r{i}", prompt, sampling) for i, prompt in enumerate(prompts)]
+    out = []
+    groups = [clients] if together else [[c] for c in clients]
+    for group in groups:
+        refused = {}
+        for client in group:
+            try:
+                engine.submit(client.request)
+            except EngineDead as err:
+                refused[client.request.id] = f"EngineDead: {err}"
+        for client in group:
+            end = refused.get(client.request.id) or repr(client.done.get(timeout=300))
+            out.append({"tokens": list(client.tokens), "end": end})
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, job: Job, out: Path) -> None:
+    """One rank: join, load its part, then serve (rank 0: alone, then together; results in `out`) or follow."""
+    torch.set_num_threads(1)
+    try:
+        _run_rank(rank, world, port, job, out)
+    except BaseException:
+        (out / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _run_rank(rank: int, world: int, port: int, job: Job, out: Path) -> None:
+    family = load_families([job.family])[job.family]
+    checkpoint = Checkpoint(job.model)
+    joined = join(rank, world, f"tcp://127.0.0.1:{port}", job.timeout_s) if world > 1 else None
+    shard = joined.shard if joined is not None else SINGLE
+    model, layout = load_rank(family, checkpoint, torch.float32, torch.device("cpu"), shard)
+    if rank > 0:
+        follow(joined.channel, Dying(model, job.die_after) if job.die_after is not None else model, layout,
+               torch.device("cpu"))
+        leave()
+        return
+    memory = StreamMemory(PagedStore(layout, job.parallel, job.pages, job.page_rows, poison=True),
+                          SlotPool(job.parallel), PagePool(job.pages, job.page_rows))
+    recorder = Recorder(model)
+    served = Leader(recorder, memory.kv, joined.channel) if joined is not None else recorder
+    engine = Engine(served, memory, prefill_chunk=job.chunk, context=job.context, max_waiting=64)
+    with running(engine):
+        alone = serve(engine, job.prompts, job.max_tokens, together=False)
+        logits = list(recorder.rows)
+        together = serve(engine, job.prompts, job.max_tokens, together=True)
+    result = {"alone": alone, "together": together, "logits": logits, "failure": engine.failure}
+    torch.save(result, out / "rank0.pt")
+    if engine.failure is not None:      # the world is lost: nothing to stop or tear down in step
+        return
+    if isinstance(served, Leader):
+        served.stop("the test is done")
+    leave()
+
+
+def run_world(world: int, job: Job, out: Path, join_s: float = 300.0) -> tuple[dict, list[int | None]]:
+    """Run every rank (TP=1 in this process, else each in a spawned process); rank 0's results and the exit codes."""
+    out.mkdir(parents=True, exist_ok=True)
+    if world == 1:
+        run_rank(0, 1, 0, job, out)
+        return torch.load(out / "rank0.pt"), [0]
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=run_rank, args=(rank, world, port, job, out), daemon=True)
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(join_s)               # a guard against a hang, not a measurement
+    codes = [proc.exitcode for proc in procs]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    found = out / "rank0.pt"
+    return (torch.load(found) if found.exists() else {}), codes
