@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
-from tensorfold.boot import all_refusals, checkpoint_of, host_cache_bytes, memory_plan, resolve_device, resolve_dtype
+from tensorfold.boot import checkpoint_of, host_cache_bytes, memory_plan, resolve_dtype
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
 from tensorfold.refusals import Refusal
 from tensorfold.settings import Settings
+from tensorfold.startup_checks import all_refusals, resolve_device
 
 MIB = 2**20
 

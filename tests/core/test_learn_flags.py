@@ -8,11 +8,11 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from tensorfold.boot import layout_refusals, learn_refusals
 from tensorfold.cli import app
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState
 from tensorfold.rows.root import release_lock, take_lock
 from tensorfold.settings import Settings, read_settings
+from tensorfold.startup_checks import layout_refusals, learn_refusals
 
 POOLED = Layout([LayerLayout("mixed", rows=[RowState("k", (2,), "float32"), RowState("p", (4,), "float32", every=4)],
                              fixed=[FixedState("s", (2,), "float32")])])

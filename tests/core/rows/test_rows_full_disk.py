@@ -10,9 +10,9 @@ import math
 import pytest
 from rows_cases import image, open_store, tokens, write
 
-from tensorfold.boot import learn_refusals
 from tensorfold.rows.api import StoreRefused
 from tensorfold.settings import Settings
+from tensorfold.startup_checks import learn_refusals
 from tensorfold.testing.small_disk import fill, read_only, tmpfs
 
 

@@ -18,11 +18,11 @@ from rows_cases import FACTS, files, open_store, tokens, write
 from typer.testing import CliRunner
 
 from tensorfold import learned
-from tensorfold.boot import learn_refusals
 from tensorfold.learned_cli import app
 from tensorfold.rows.api import StoreRefused, identity_hash
 from tensorfold.rows.root import release_lock, take_lock
 from tensorfold.settings import Settings
+from tensorfold.startup_checks import learn_refusals
 
 SECRET = b"root:x:0:0:a file the lock must never touch\n"
 NOBODY = 65534

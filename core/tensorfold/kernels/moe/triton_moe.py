@@ -72,11 +72,11 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
                       block_sum=block_sum, precision=precision, num_warps=8, block_m=PREFILL_BLOCK_M,
                       num_stages=3, grouped_only=True)
     step = 32 if dtype == torch.float32 else 64
+    decode = Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
+                    block_sum=block_sum, precision=precision)
     if kind == "prefill":   # float32 (the checking mode): the decode tiles, grouped in 128-row blocks
-        return Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
-                      block_sum=block_sum, precision=precision, block_m=PREFILL_BLOCK_M, grouped_only=True)
-    return Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
-                  block_sum=block_sum, precision=precision)
+        return attrs.evolve(decode, block_m=PREFILL_BLOCK_M, grouped_only=True)
+    return decode
 
 
 @triton.jit(do_not_specialize=["P"])
