@@ -19,10 +19,17 @@ default stops at 4096; random weights do not mind).
 as a user runs it) is sent each repeat's history and stopped with SIGTERM, which writes what RAM kept to D (its
 "disk tier closed" log line is waited for and reported); a new server on D then times each next turn resumed from
 disk (cached_tokens and tier="disk" checked; the page cache of D's files dropped first unless --keep-page-cache),
-its cold variant, and a twin conversation's next turn resumed from the device. The server does not expose how
-long its read took, so the achieved read rate is estimated as the bytes the store read (/memory's
-disk_read_bytes) over (disk TTFT - device TTFT): read, verify and put back together. It is held against a plain
-sequential read of the same state's files, page cache dropped, in the same run (bench/disk_read.py).
+its cold variant, and a twin conversation's next turn resumed from the device. The achieved read rate is estimated
+as the bytes the store read (/memory's disk_read_bytes) over (disk TTFT - device TTFT), and measured by the tier
+itself (/memory's disk_restored_bytes over disk_restore_seconds: read, verify and put back, overlapped); both are
+held against a plain sequential read of the same state's files, page cache dropped, in the same run
+(bench/disk_read.py): `read_over_seq`, `restore_over_seq`.
+
+Every resumed measurement carries the serving tier's own restore (`restore_bytes`, `restore_ms`, `restore_gb_s`,
+from /memory's `*_restored_bytes` and `*_restore_seconds` around the request: the device and host tiers time their
+copies on the device, the disk tier its read and put back), and the first line holds the machine's baselines: a
+plain memory copy and, with CUDA, a pinned host -> device copy (`pinned_copy_gb_s`), which the host tier's
+`restore_gb_s` is held against.
 """
 
 from __future__ import annotations
@@ -80,31 +87,82 @@ def next_turn(server: Server, tag: str, tokens: int) -> tuple[list[dict[str, str
             {"role": "user", "content": text(f"{tag} next", NEW_WORDS, 1.0)}], reply.prompt_tokens
 
 
+RESTORED = {"device": ("prompt_cache_restored_bytes", "prompt_cache_restore_seconds"),
+            "host": ("host_restored_bytes", "host_restore_seconds"),
+            "disk": ("disk_restored_bytes", "disk_restore_seconds")}
+
+
 def timed(server: Server, messages: list[dict[str, str]]) -> tuple[dict[str, Any], str]:
-    """TTFT of one request and the tier that served it ("none": prefilled from the start)."""
-    before = server.tiers()
+    """TTFT of one request and the tier that served it ("none": prefilled from the start), with that tier's restore
+    as the server measured it (/memory: bytes, seconds and their GB/s)."""
+    before, numbers_before = server.tiers(), server.memory()["now"]
     reply = server.chat(body(server, messages, 1))
     moved = tier_delta(before, server.tiers())
     tier = next((name for name, numbers in moved.items() if numbers.get("hits")), "none")
-    return {"prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
-            "ttft_ms": round(reply.ttft_s * 1000, 3)}, tier
+    out = {"prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
+           "ttft_ms": round(reply.ttft_s * 1000, 3)}
+    return out | restored(tier, numbers_before, server.memory()["now"]), tier
+
+
+def restored(tier: str, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The serving tier's restore between two /memory readings: bytes, seconds (the tier's own timing: a device or
+    host restore's copies timed on the device, a disk read with its put back) and GB/s."""
+    if tier not in RESTORED or RESTORED[tier][0] not in after:
+        return {}
+    nbytes_key, seconds_key = RESTORED[tier]
+    nbytes = after[nbytes_key] - before.get(nbytes_key, 0)
+    seconds = after[seconds_key] - before.get(seconds_key, 0.0)
+    return {"restore_bytes": nbytes, "restore_ms": round(seconds * 1e3, 3), "restore_gb_s": gb_s(nbytes, seconds)}
+
+
+def baselines() -> dict[str, Any]:
+    """What the tiers' restores are held against on this machine: a pinned host -> device copy of 1 GiB (CUDA only,
+    best of five) and a plain host memory copy of 256 MiB (best of five)."""
+    import time
+
+    import torch
+
+    def best(copy, nbytes: int) -> float:
+        seconds = float("inf")
+        for _ in range(5):
+            began = time.perf_counter()
+            copy()
+            seconds = min(seconds, time.perf_counter() - began)
+        return round(nbytes / seconds / 1e9, 3)
+
+    src, dst = torch.empty(256 << 20, dtype=torch.uint8), torch.empty(256 << 20, dtype=torch.uint8)
+    src.fill_(1)
+    out = {"bench": "baselines", "memcpy_gb_s": best(lambda: dst.copy_(src), src.numel()), "pinned_copy_gb_s": None}
+    if torch.cuda.is_available():
+        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+
+        def copy() -> None:
+            device.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        out["pinned_copy_gb_s"] = best(copy, pinned.numel())
+    return out
 
 
 def measure(server: Server, name: str, lengths: list[int], repeats: int) -> None:
     """Cold and resumed next turns at every length; JSON lines on stdout."""
     timed(server, next_turn(server, f"{name} warm-up", 256)[0])
     for length in lengths:
-        cold, resumed = [], []
+        cold, resumed, rates = [], [], []
         for repeat in range(repeats):
             turn, rendered = next_turn(server, f"{name} {length} {repeat}", length)
             for kind, messages in (("cold", cold_variant(turn)), ("resumed", turn)):
                 numbers, tier = timed(server, messages)
                 (cold if kind == "cold" else resumed).append(numbers["ttft_ms"])
+                if kind == "resumed" and numbers.get("restore_gb_s") is not None:
+                    rates.append(numbers["restore_gb_s"])
                 print(json.dumps({"server": name, "history": length, "history_tokens": rendered, "kind": kind,
                                   "tier": tier, "repeat": repeat, **numbers}), flush=True)
         print(json.dumps({"server": name, "history": length, "summary": True,
                           "cold_ttft_ms": statistics.median(cold), "resumed_ttft_ms": statistics.median(resumed),
-                          "resumed_over_cold": round(statistics.median(resumed) / statistics.median(cold), 4)}),
+                          "resumed_over_cold": round(statistics.median(resumed) / statistics.median(cold), 4),
+                          "restore_gb_s": statistics.median(rates) if rates else None}),
               flush=True)
 
 
@@ -161,7 +219,9 @@ def disk_repeat(server: Server, root: Path, block_rows: int, label: str, turn: l
     extra_s = (disk["ttft_ms"] - device["ttft_ms"]) / 1e3
     return [{"kind": "cold", "tier": cold_tier, **cold},
             {"kind": "disk", "tier": tier, **disk, "read_bytes": read, "state_bytes": state_bytes,
-             "read_gb_s_estimate": gb_s(read, extra_s), "seq_read_gb_s": round(sequential / 1e9, 3)},
+             "read_gb_s_estimate": gb_s(read, extra_s), "seq_read_gb_s": round(sequential / 1e9, 3),
+             "restore_over_seq": None if disk.get("restore_gb_s") is None
+             else round(disk["restore_gb_s"] / (sequential / 1e9), 4)},
             {"kind": "device", "tier": device_tier, "history_tokens": twin_tokens, **device}]
 
 
@@ -179,7 +239,7 @@ def measure_disk(flags: list[str], root: Path, work: Path, lengths: list[int], r
             plan = server.memory()["plan"]
             timed(server, warm_up)
             ttft: dict[str, list[float]] = {"cold": [], "disk": [], "device": []}
-            read, sequential = [], []
+            read, sequential, restore = [], [], []
             for repeat, (turn, rendered) in enumerate(turns):
                 records = disk_repeat(server, root, plan["learn_block_rows"], f"disk {length} {repeat}", turn,
                                       length, drop)
@@ -189,6 +249,8 @@ def measure_disk(flags: list[str], root: Path, work: Path, lengths: list[int], r
                                       "repeat": repeat, **record}), flush=True)
                 read.append(records[1]["read_bytes"])
                 sequential.append(records[1]["seq_read_gb_s"])
+                if records[1].get("restore_gb_s") is not None:
+                    restore.append(records[1]["restore_gb_s"])
         median = {kind: round(statistics.median(values), 3) for kind, values in ttft.items()}
         achieved = gb_s(statistics.median(read), (median["disk"] - median["device"]) / 1e3)
         print(json.dumps({
@@ -199,9 +261,12 @@ def measure_disk(flags: list[str], root: Path, work: Path, lengths: list[int], r
             "read_bytes": statistics.median(read), "read_gb_s_estimate": achieved,
             "seq_read_gb_s": round(statistics.median(sequential), 3),
             "read_over_seq": None if achieved is None else round(achieved / statistics.median(sequential), 4),
+            "restore_gb_s": statistics.median(restore) if restore else None,
+            "restore_over_seq": round(statistics.median(restore) / statistics.median(sequential), 4) if restore
+            else None,
             "store_probe_gb_s": round(plan["learn_read_bytes_per_s"] / 1e9, 3),
             "page_cache": "dropped" if drop else "kept",
-            "read_time": "estimated: disk TTFT - device TTFT (medians); the server does not expose its read time"}),
+            "read_time": "read_gb_s_estimate: disk TTFT - device TTFT (medians); restore_gb_s: the tier's own timing"}),
               flush=True)
 
 
@@ -243,6 +308,7 @@ def main() -> None:
     args = parser.parse_args()
     if sum(x is not None for x in (args.url, args.serve, args.tiny)) != 1:
         raise SystemExit("give one of --url, --serve and --tiny")
+    print(json.dumps(baselines()), flush=True)
     if args.url is not None:
         server = Server(args.url)
         measure(server, args.url, args.lengths, args.repeats)

@@ -39,7 +39,7 @@ from tensorfold.service import Service
 from tensorfold.settings import Settings
 from tensorfold.startup_checks import DTYPES, all_refusals, layout_refusals, resolve_device
 from tensorfold.tiers.device import DeviceTier
-from tensorfold.tiers.disk import DiskTier
+from tensorfold.tiers.disk import DISK_RESERVE_BYTES, DiskTier
 from tensorfold.tiers.host import HostTier
 from tensorfold.tokenizer import ChatTokenizer
 
@@ -262,7 +262,8 @@ def build_disk(settings: Settings, checkpoint: Checkpoint, declarations: Declara
         rows = max(1, min(settings.prefill_chunk, settings.context - 1, PREFILL_PROBE_ROWS, room(memory)))
         return DiskTier(memory, store, declarations.image, read_bytes_per_s=store.read_bandwidth(BANDWIDTH_BYTES),
                         prefill_rows_per_s=prefill_rate(model, memory, rows),
-                        verify=settings.switch("TF_IMPRINT_VERIFY"))
+                        verify=settings.switch("TF_IMPRINT_VERIFY"),
+                        reserve=min(memory.kv.layout.stream_bytes(settings.context), DISK_RESERVE_BYTES))
     except BaseException:
         store.close()
         raise

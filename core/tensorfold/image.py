@@ -75,8 +75,8 @@ class StateImage:
     version: int
     at: int
     digest: str
-    own: bytes
-    rows: bytes | bytearray       # a bytearray when read from disk: put back without another copy
+    own: bytes | memoryview               # read from disk into the reader's own buffers: memoryviews of them,
+    rows: bytes | bytearray | memoryview  # valid while it keeps them; put back without another copy
 
     def to_bytes(self) -> bytes:
         """The image as one byte string: magic, container version, words (JSON), own, rows."""
@@ -105,8 +105,9 @@ def _as_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _from_bytes(data: bytes | memoryview, like: torch.Tensor) -> torch.Tensor:
+    writable = isinstance(data, memoryview) and not data.readonly        # a reader's own buffer: no copy of it
+    raw = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
     return raw.view(like.dtype).reshape(like.shape).to(like.device)
 
 
@@ -127,8 +128,9 @@ def read_out(kv: KvStore, slot: int, at: int, fmt: ImageFormat) -> StateImage:
                       own=own, rows=rows)
 
 
-def put_back(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat) -> None:
-    """Restore an image into a slot, so the slot continues from `image.at` as if it had never stopped."""
+def put_back(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat, start: int = 0) -> None:
+    """Restore an image into a slot, so the slot continues from `image.at` as if it had never stopped; rows before
+    `start` (a multiple of the rows table's period) are in the slot already (the disk tier puts them as read)."""
     if (image.format, image.version) != (fmt.name, fmt.version):
         raise ValueError(f"image is {image.format} v{image.version}, this family writes {fmt.name} v{fmt.version}")
     if image.digest != layout_digest(kv.layout):
@@ -137,10 +139,11 @@ def put_back(kv: KvStore, slot: int, image: StateImage, fmt: ImageFormat) -> Non
     need = sum(target.numel() * target.element_size() for _, _, target in targets)
     if need != len(image.own):
         raise ValueError(f"image own part is {len(image.own)} bytes, the format needs {need}")
-    kv.clear(slot)
+    if not start:
+        kv.clear(slot)
     offset = 0
     for i, name, target in targets:
         size = target.numel() * target.element_size()
         kv.write_fixed(i, name, slot, _from_bytes(image.own[offset: offset + size], target))
         offset += size
-    put_rows(kv, slot, image.rows, image.at, RowsTable.of(kv, fmt.rows))
+    put_rows(kv, slot, image.rows, image.at, RowsTable.of(kv, fmt.rows), start)

@@ -71,14 +71,29 @@ def rows_bytes(kv: KvStore, slot: int, at: int, table: RowsTable) -> bytes:
     return b"".join(out)
 
 
-def put_rows(kv: KvStore, slot: int, rows: bytes | bytearray, at: int, table: RowsTable) -> None:
-    """Write an image's rows part for positions [0, at) into a slot; ValueError when its length is wrong."""
+def put_rows(kv: KvStore, slot: int, rows: bytes | bytearray | memoryview, at: int, table: RowsTable,
+             start: int = 0) -> None:
+    """Write an image's rows part for positions [start, at) into a slot (rows before `start`, a multiple of the
+    table's period, are in place already); ValueError when its length is wrong."""
     if len(rows) != table.nbytes(at):
         raise ValueError(f"image rows part is {len(rows)} bytes, {at} rows need {table.nbytes(at)}")
-    if not table.states or not at:
+    begin = table.nbytes(start)
+    put_rows_part(kv, slot, memoryview(rows)[begin:], start, at, table)
+
+
+def put_rows_part(kv: KvStore, slot: int, data: bytes | bytearray | memoryview, start: int, end: int,
+                  table: RowsTable) -> None:
+    """Write the rows part's bytes of positions [start, end) (`data`, exactly those) into a slot: `start` is a
+    multiple of the table's period, so a rows store block's bytes go in as soon as they are read."""
+    if start % table.period:
+        raise ValueError(f"rows from {start} do not start a group of {table.period}")
+    if len(data) != table.nbytes(end) - table.nbytes(start):
+        raise ValueError(f"rows [{start}, {end}) are {table.nbytes(end) - table.nbytes(start)} bytes, got {len(data)}")
+    if not table.states or end <= start:
         return
-    data = torch.frombuffer(rows if isinstance(rows, bytearray) else bytearray(rows), dtype=torch.uint8)
-    groups = at // table.period
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    data = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
+    first_group, groups = start // table.period, end // table.period - start // table.period
     step = max(1, PUT_PIECE_BYTES // max(table.group_bytes, 1))
     for first in range(0, groups, step):
         count = min(step, groups - first)
@@ -90,9 +105,9 @@ def put_rows(kv: KvStore, slot: int, rows: bytes | bytearray, at: int, table: Ro
                 if state == n:
                     entries[:, k, :] = piece[:, offset: offset + spec.entry_bytes]
             values = entries.view(count * per, spec.entry_bytes).view(DTYPES[spec.dtype])
-            kv.write_rows(i, name, slot, first * table.period, values.reshape(count * per, *spec.shape))
+            kv.write_rows(i, name, slot, (first_group + first) * table.period, values.reshape(count * per, *spec.shape))
     offset = groups * table.group_bytes
-    for position in range(groups * table.period, at):
+    for position in range((first_group + groups) * table.period, end):
         for i, name, spec in table.states:
             if (position + 1) % spec.every:
                 continue

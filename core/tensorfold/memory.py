@@ -86,6 +86,15 @@ class StreamMemory:
                 self.kv.fill(taken)
             self.kv.bind(claim.slot, claim.lease.pages)
 
+    def reset(self, claim: Claim) -> None:
+        """Make a claim fresh again after a restore that failed part way: its pages given back (still reserved),
+        its slot cleared (fixed states zeroed, a window poisoned when poison is on)."""
+        if claim.lease is not None and self.pool is not None:
+            self.pool.shrink(claim.lease, 0)
+            if isinstance(self.kv, PagedStore):
+                self.kv.bind(claim.slot, claim.lease.pages)
+        self.kv.clear(claim.slot)
+
     def copy_state(self, src: Claim, dst: Claim, at: int) -> None:
         """Give `dst` the state `src` holds at row `at` (a fork of a stream at its prompt's end): every fixed state
         of its slot, and the entries of every row state for rows [0, at), in pages of its own (or its window)."""

@@ -87,19 +87,21 @@ def write(eng: Engine) -> list[dict]:
     return [{"name": name, "prompt": prompt, "starts": starts} for name, (prompt, starts) in chats.items()]
 
 
-def checked_puts(disk, kv) -> list[bool]:
-    """Wrap the disk tier's put: after each restore, the slot's state read out equals the image read from disk."""
+def checked_loads(disk, kv) -> list[bool]:
+    """Wrap the disk tier's load: after each restore, the slot's state read out equals the state's image read from
+    disk again (a second, independent read)."""
     same: list[bool] = []
-    put = disk.put
+    load = disk.load
 
-    def put_and_compare(state, image, claim, owner=""):
-        rows = put(state, image, claim, owner)
+    def load_and_compare(state, claim, owner=""):
+        rows = load(state, claim, owner)
         if rows:
             torch.cuda.synchronize()
+            image = disk.store.read(state.entry, use=False)
             same.append(read_out(kv, claim.slot, rows, disk.fmt).to_bytes() == image.to_bytes())
         return rows
 
-    disk.put = put_and_compare
+    disk.load = load_and_compare
     return same
 
 
@@ -107,7 +109,7 @@ def main(phase: str, checkpoint: Path, root: Path, out: Path, requests: Path | N
     torch.manual_seed(0)
     subject = kit.load(load_families(["qwen"])["qwen"], checkpoint, dtype=torch.bfloat16, device="cuda")
     eng, disk = engine(subject, checkpoint, None if phase == "fresh" else root)
-    same = checked_puts(disk, eng.memory.kv) if phase == "resume" else []
+    same = checked_loads(disk, eng.memory.kv) if phase == "resume" else []
     eng.start()
     try:
         if phase == "write":

@@ -127,6 +127,7 @@ class DecodeRunner:
             return None
         if self._copied is not None:
             self._copied.synchronize()
+        self.kv.arrived()  # a replay reads the captured tensors, not through the store's accessors
         self._pad(n)
         self._host_rows[:, :n] = torch.tensor([[step.tokens[0] for step in plan.streams],
                                                [step.start for step in plan.streams], slots], dtype=torch.int64)

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
 import torch
 
 from tensorfold.kv.journal import Clear, Command, Copy
 from tensorfold.layout import DTYPES, Layout
+
+
+class Arrival(Protocol):
+    """Copies into or out of one layer queued on another stream: `wait` makes the current stream wait for them."""
+
+    def wait(self) -> None:
+        """Queue a wait for the copies on the current stream (never a host wait)."""
+        ...
 
 
 class UndeclaredState(KeyError):
@@ -33,6 +45,9 @@ class KvStore:
         ]
         self._every = [{s.name: s.every for s in layer.rows} for layer in layout.layers]
         self.journal: list[Command] | None = None  # rank 0 of a TP world: what a follower replays (kv/journal.py)
+        self._arrivals: dict[int, list[Arrival]] = {}  # layer -> the copies its states wait for (tiers/lanes.py)
+        self._arriving_slots: set[int] = set()         # the slots those copies touch (until `arrived` empties both)
+        self._aside = 0                                # inside `aside`: accesses wait, and leave the waits queued
 
     def rows(self, layer: int, name: str, slot: int, end: int) -> torch.Tensor:
         """The entries of a row state for positions [0, end): [entries, *shape]."""
@@ -79,8 +94,40 @@ class KvStore:
         """Entries the widest page table of a `context`-row stream has."""
         raise NotImplementedError
 
+    def arriving(self, layer: int, arrival: Arrival, slot: int | None = None) -> None:
+        """A layer's states (of `slot`, or pages no slot holds any more) are being written or read by copies queued
+        on another stream: the next read or write of that layer through this store first makes its own stream wait
+        for them (`arrival.wait()`, a device wait)."""
+        self._arrivals.setdefault(layer, []).append(arrival)
+        if slot is not None:
+            self._arriving_slots.add(slot)
+
+    def arrived(self) -> None:
+        """Make the current stream wait for every copy still arriving (before work that bypasses the accessors)."""
+        while self._arrivals:
+            for arrival in self._arrivals.popitem()[1]:
+                arrival.wait()
+        self._arriving_slots.clear()
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Accesses from a copy stream (tiers/lanes.py): each makes that stream wait for the layer's copies and leaves
+        them queued for the stream that runs the steps."""
+        self._aside += 1
+        try:
+            yield
+        finally:
+            self._aside -= 1
+
+    @property
+    def arriving_layers(self) -> tuple[int, ...]:
+        """Layers whose copies no access has waited for yet."""
+        return tuple(sorted(self._arrivals))
+
     def clear(self, slot: int) -> None:
-        """Ready a slot for a new stream: its fixed states zeroed."""
+        """Ready a slot for a new stream: its fixed states zeroed (after the copies still arriving into it)."""
+        if slot in self._arriving_slots:
+            self.arrived()
         if self.journal is not None:
             self.journal.append(Clear(slot))
         for layer in self._fixed:
@@ -125,7 +172,11 @@ class KvStore:
                              f"the family wrote [{values.shape[0]}, *{tuple(values.shape[1:])}]")
 
     def _state(self, states: list[dict[str, torch.Tensor]], layer: int, name: str, kind: str) -> torch.Tensor:
-        """A declared state's tensor, or an error naming the layer and the states it does declare."""
+        """A declared state's tensor, or an error naming the layer and the states it does declare; the first access
+        to a layer whose copies are arriving waits for them (on the device)."""
+        if self._arrivals and layer in self._arrivals:
+            for arrival in self._arrivals[layer] if self._aside else self._arrivals.pop(layer):
+                arrival.wait()
         if not 0 <= layer < len(states):
             raise IndexError(f"layer {layer}: the Layout declares {len(states)} layers (0 .. {len(states) - 1})")
         found = states[layer].get(name)

@@ -86,6 +86,7 @@ class PagedStore(KvStore):
             return
         if self.journal is not None:
             self.journal.append(Fill(pages))
+        self.arrived()
         index = torch.tensor(pages, dtype=torch.long, device=self.device)
         for layer in self._pages:
             for state in layer.values():

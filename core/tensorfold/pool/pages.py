@@ -141,6 +141,15 @@ class PagePool:
         lease.pages.extend(taken)
         return taken
 
+    def shrink(self, lease: Lease, rows: int) -> list[int]:
+        """Give back the pages past those `rows` rows need (they stay reserved for the lease); returns them."""
+        keep = self.pages_for(rows)
+        dropped = lease.pages[keep:]
+        for page in reversed(dropped):
+            self._drop(page)
+        del lease.pages[keep:]
+        return dropped
+
     def release(self, lease: Lease) -> None:
         """Return every page of a finished or cancelled stream."""
         if self._leases.pop(lease.owner, None) is not lease:

@@ -20,7 +20,8 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,6 +35,10 @@ STATE = b"TFST"
 HEAD = 12                # magic, version, W
 TRAILER = 40             # u64 length, sha256
 CHUNK = 8 << 20          # bytes per read or write call: large sequential I/O
+
+# The one thread that hashes what reads read, in the order they read it (sha256 releases the GIL): a reader goes
+# on with its next chunk, or its next file, while the last one is hashed.
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tf-rows-hash")
 
 Bytes = bytes | bytearray | memoryview
 
@@ -209,32 +214,56 @@ def read_prefix(path: Path, magic: bytes, count: int) -> bytes:
         raise damaged(path, f"cannot be read ({error.strerror or error})") from None
 
 
-def read_file(path: Path, magic: bytes, into: memoryview | None = None) -> tuple[dict[str, Any], Bytes]:
-    """A data file's words and body, every byte checked against the trailer. The body is read into `into` when
-    given (it must be exactly the body's length), else into a new buffer."""
+def read_started(path: Path, magic: bytes, into: memoryview | Callable[[int], memoryview] | None = None) -> Future:
+    """Read a data file's words and body on this thread, each chunk hashed on the hashing thread behind the read;
+    the Future gives (words, body) once every byte is checked against the trailer, or raises Damaged naming the
+    file. A file that cannot be read raises here. The body is read into `into` when given (a buffer of exactly the
+    body's length, or a callable giving one for that length), else into a new buffer; no hashing of it is left
+    running once this returns or raises and the Future is done."""
+    pending: Future | None = None
     try:
         with open_plain(path, buffering=0) as handle:
             size = os.fstat(handle.fileno()).st_size
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)   # a larger read-ahead
             head, words = _parse_head(path, magic, handle, size)
+            if callable(into):
+                into = into(words["body"])
             if into is not None and into.nbytes != words["body"]:
                 raise damaged(path, f"body is {words['body']} bytes, the reader expects {into.nbytes}")
             body = memoryview(bytearray(words["body"])) if into is None else into
+            digest = hashlib.sha256(head)
             filled = 0
             while filled < body.nbytes:
                 got = handle.readinto(body[filled: filled + CHUNK])
                 if not got:
                     raise damaged(path, f"ends after {HEAD + filled} bytes of body")
+                pending = _HASHER.submit(digest.update, body[filled: filled + got])
                 filled += got
             trailer = _read_exact(handle, TRAILER)
-    except EOFError:
-        raise damaged(path, "ends inside its trailer") from None
-    except OSError as error:
-        raise damaged(path, f"cannot be read ({error.strerror or error})") from None
-    digest = hashlib.sha256(head)
-    digest.update(body)
+    except BaseException as error:
+        if pending is not None:
+            _HASHER.submit(int).result()            # the chunks already queued are hashed: the body is free again
+        if isinstance(error, EOFError):
+            raise damaged(path, "ends inside its trailer") from None
+        if isinstance(error, OSError):
+            raise damaged(path, f"cannot be read ({error.strerror or error})") from None
+        raise
+    return _HASHER.submit(_checked, path, head, words, body, digest, trailer)
+
+
+def _checked(path: Path, head: bytes, words: dict[str, Any], body: memoryview, digest: Any,
+             trailer: bytes) -> tuple[dict[str, Any], Bytes]:
+    """On the hashing thread, after the body's chunks: the trailer against the payload."""
     (length,) = struct.unpack("<Q", trailer[:8])
     if length != len(head) + body.nbytes:
         raise damaged(path, f"trailer says a payload of {length} bytes, the file holds {len(head) + body.nbytes}")
     if digest.digest() != trailer[8:]:
         raise damaged(path, "sha256 of the payload differs from its trailer")
     return words, body
+
+
+def read_file(path: Path, magic: bytes, into: memoryview | None = None) -> tuple[dict[str, Any], Bytes]:
+    """A data file's words and body, every byte checked against the trailer. The body is read into `into` when
+    given (it must be exactly the body's length), else into a new buffer."""
+    return read_started(path, magic, into).result()

@@ -53,9 +53,10 @@ def hash_rate(nbytes: int = 16 << 20) -> float:
     return len(data) / max(time.perf_counter() - start, 1e-9)
 
 
-def serial_rate(*rates: float) -> float:
-    """The rate of steps that run one after another over the same bytes (1 / Σ 1/rate)."""
-    return 1.0 / sum(1.0 / max(rate, 1e-9) for rate in rates)
+def overlapped_rate(*rates: float) -> float:
+    """The rate of steps that run side by side over the same bytes (the reader and the hashing thread behind it,
+    rows/files.py): the slowest one's."""
+    return min(rates)
 
 
 def observed_rate(before: float, nbytes: int, seconds: float, weight: float = 0.5) -> float:

@@ -1,8 +1,8 @@
 """The payoff rule's read rate estimated at startup on whatever the store's disk allows: a scratch file of half the
 room above the free-space floor (at least MIN_PROBE, at most the size asked); where the disk refuses it (full,
 read-only) or the store writes nothing, the state and block files already kept; with none, sha256 alone (nothing
-kept to read; the first resume's measurement corrects it). Each read is in series with sha256 over the same bytes,
-as a state read verifies every byte."""
+kept to read; the first resume's measurement corrects it). Each read is weighed with sha256 over the same bytes, as
+a state read verifies every byte: the slower of the two, since a state's reader runs ahead of its hashing thread."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tensorfold.rows.files import open_plain
 from tensorfold.rows.guard import no_room
-from tensorfold.rows.payoff import CHUNK, hash_rate, sequential_read_rate, serial_rate
+from tensorfold.rows.payoff import CHUNK, hash_rate, overlapped_rate, sequential_read_rate
 
 MIN_PROBE = 1 << 20     # the smallest scratch file, written even below the floor (a full disk refuses it)
 HASHED = 16 << 20       # bytes sha256 is timed over
@@ -26,14 +26,14 @@ def read_rate(directory: Path, nbytes: int, min_free_bytes: int, writes: bool) -
     if writes:
         size = min(nbytes, max(_room(directory, min_free_bytes) // 2, MIN_PROBE))
         try:
-            return serial_rate(sequential_read_rate(directory, size), hash_rate(min(size, HASHED))), None
+            return overlapped_rate(sequential_read_rate(directory, size), hash_rate(min(size, HASHED))), None
         except OSError as error:
             if not no_room(error):
                 raise
             why = f"the read probe's scratch file ({size} bytes) could not be written in {directory}: {error}"
     kept = kept_rate(directory, nbytes)
     hashed = hash_rate(min(max(nbytes, 1), HASHED))
-    return (hashed if kept is None else serial_rate(kept, hashed)), why
+    return (hashed if kept is None else overlapped_rate(kept, hashed)), why
 
 
 def kept_rate(directory: Path, nbytes: int) -> float | None:

@@ -85,6 +85,7 @@ class Shelf:
         self.by_chain: dict[str, list[str]] = {}   # chain(at) hex → keys
         self.refs: Counter[str] = Counter()        # block → states listing it
         self.ats: Counter[int] = Counter()         # at → states there, so a lookup hashes only where one may be
+        self.block_rows: dict[str, int] = {}       # key → its words' block rows, so a read places blocks at once
         self.bytes = 0
         self.orphans_removed = 0                   # block files `load` removed because no state lists them
 
@@ -99,20 +100,20 @@ class Shelf:
         (present; their sizes too when `row_offset` is given) fail is left out and, when `repair`, removed with
         the blocks no other state lists. Returns (file, problem) for each state left out."""
         usage = self._usage()
-        found: list[tuple[StateEntry, str]] = []
+        found: list[tuple[StateEntry, str, int]] = []
         problems: list[tuple[str, str]] = []
         sizes: dict[str, int] = {}
         for path in sorted((self.directory / "states").glob("*.st")):
             try:
-                entry, chain = self._entry(path, row_offset, sizes, usage)
+                entry, chain, block_rows = self._entry(path, row_offset, sizes, usage)
             except Damaged as error:
                 problems.append((str(path), error.problem or str(error)))
                 if repair:
                     unlink(path)
                 continue
-            found.append((entry, chain))
-        for entry, chain in sorted(found, key=lambda pair: pair[0].used):
-            self.add(entry, chain)
+            found.append((entry, chain, block_rows))
+        for entry, chain, block_rows in sorted(found, key=lambda found: found[0].used):
+            self.add(entry, chain, block_rows)
         if repair:
             for path in (self.directory / "blocks").glob("*.blk"):
                 if path.stem not in self.refs:
@@ -122,7 +123,7 @@ class Shelf:
         return problems
 
     def _entry(self, path: Path, row_offset: Callable[[int], int] | None, sizes: dict[str, int],
-               usage: dict[str, Any]) -> tuple[StateEntry, str]:
+               usage: dict[str, Any]) -> tuple[StateEntry, str, int]:
         header = read_header(path, STATE)
         words = header.words
         problem = state_problem(words, path.stem, row_offset)
@@ -149,7 +150,7 @@ class Shelf:
         entry = StateEntry(key=path.stem, at=words["at"], cuts=tuple(words["cuts"]), blocks=tuple(words["blocks"]),
                            nbytes=nbytes, written=float(words["written"]), used=max(used, path.stat().st_mtime),
                            hits=hits)
-        return entry, words["chain"]
+        return entry, words["chain"], words["block_rows"]
 
     def _usage(self) -> dict[str, Any]:
         try:
@@ -179,9 +180,11 @@ class Shelf:
                 pass
         return total
 
-    def add(self, entry: StateEntry, chain: str) -> None:
-        """Index a state as the most recently used."""
+    def add(self, entry: StateEntry, chain: str, block_rows: int | None = None) -> None:
+        """Index a state as the most recently used (`block_rows`: its words', when known)."""
         self.states[entry.key] = entry
+        if block_rows is not None:
+            self.block_rows[entry.key] = block_rows
         self.chains[entry.key] = chain
         self.by_chain.setdefault(chain, []).append(entry.key)
         self.ats[entry.at] += 1
@@ -200,6 +203,7 @@ class Shelf:
         if entry is None:
             return 0
         chain = self.chains.pop(key)
+        self.block_rows.pop(key, None)
         keys = self.by_chain[chain]
         keys.remove(key)
         if not keys:

@@ -22,7 +22,7 @@ import attrs
 
 from tensorfold.image import StateImage
 from tensorfold.rows.api import Damaged, StateEntry, StoreRefused, StoreStats, identity_hash
-from tensorfold.rows.assemble import assemble
+from tensorfold.rows.assemble import Into, Put, assemble
 from tensorfold.rows.files import (
     BLOCK,
     STATE,
@@ -146,33 +146,47 @@ class RowsStore:
         """The longest state written in `partition` a pass over `prompt` cut at `cuts` may resume from: its tokens
         prompt[:at], `at` a cut below len(prompt), its cuts the pass's own up to `at` (tiers/policy.py resumable);
         the partition is in the names (names.py), so another partition's states never match."""
+        return next(iter(self.candidates(prompt, cuts, partition, first=True)), None)
+
+    def candidates(self, prompt: Sequence[int], cuts: Sequence[int], partition: str = "",
+                   first: bool = False) -> list[StateEntry]:
+        """Every state `lookup` could answer, longest first (only the longest with `first`)."""
         with self._lock:
-            candidates = sorted({c for c in cuts if 0 < c < len(prompt) and c in self._own.ats}, reverse=True)
-        if not candidates:
-            return None
-        chain = Chain(self.identity, self.block_rows, prompt[: candidates[0]], partition)
-        for at in candidates:
+            ats = sorted({c for c in cuts if 0 < c < len(prompt) and c in self._own.ats}, reverse=True)
+        if not ats:
+            return []
+        chain = Chain(self.identity, self.block_rows, prompt[: ats[0]], partition)
+        found = []
+        for at in ats:
             want = tuple(c for c in cuts if c <= at)
             hexed = chain.at(at).hex()
             with self._lock:
                 for key in self._own.by_chain.get(hexed, ()):
                     entry = self._own.states[key]
                     if entry.at == at and entry.cuts == want:
-                        return entry
-        return None
+                        found.append(entry)
+                        break
+            if found and first:
+                break
+        return found
 
-    def read(self, entry: StateEntry, use: bool = True) -> StateImage:
+    def read(self, entry: StateEntry, use: bool = True, put: Put | None = None,
+             into: Into | None = None) -> StateImage:
         """The state's image, every byte verified; on any failure the state is forgotten, counted, and Damaged
         raised naming the file and the problem (a state evicted since its lookup raises Damaged uncounted). A
-        read with `use` off (TF_IMPRINT_VERIFY's read-back) leaves its last use, hits and read counters alone."""
+        read with `use` off (TF_IMPRINT_VERIFY's read-back) leaves its last use, hits and read counters alone.
+        Its files are read in one pipeline (assemble.py); with `put`, each verified block's rows are handed to it
+        as they land, before the whole state is verified: a caller that puts them somewhere undoes that when the
+        read raises. With `into`, the rows part is read into the caller's buffer (reused across reads)."""
         path = self._own.state_path(entry.key)
         with self._lock:
             current = self._own.states.get(entry.key)
             if current is None:
                 raise damaged(path, "no longer kept (removed since it was looked up)")
+            block_rows = self._own.block_rows.get(entry.key)
             self._reading[entry.key] += 1
         try:
-            image = assemble(self._own, self.identity, current, self._row_offset)
+            image = assemble(self._own, self.identity, current, self._row_offset, block_rows, put, into)
         except Damaged as error:
             self._forget(current, error)
             raise
@@ -314,7 +328,7 @@ class RowsStore:
                            used=now, hits=0)
         self._spend(new_bytes)
         with self._lock:      # published and evicted at once: stats() never shows the store over its cap
-            self._own.add(entry, chain)
+            self._own.add(entry, chain, self.block_rows)
             self._own.bytes += new_bytes - replaced
             self._counts["written"] += 1
             self._counts["written_bytes"] += new_bytes
@@ -423,8 +437,9 @@ class RowsStore:
 
     def read_bandwidth(self, nbytes: int = 64 << 20) -> float:
         """Bytes/s a state read is estimated at before any was made, the payoff rule's denominator: a sequential
-        read of a scratch file written in the store (of the states kept, where the disk has no room for one), then
-        sha256 over the same bytes (rows/probe.py); a disk that refuses the scratch file turns writing off."""
+        read of a scratch file written in the store (of the states kept, where the disk has no room for one), or
+        sha256 over the same bytes, whichever is slower (rows/probe.py); a disk that refuses the scratch file turns
+        writing off."""
         rate, why = read_rate(self.directory, nbytes, self.min_free_bytes, writes=self.writes_off is None)
         self._off(why)
         return rate

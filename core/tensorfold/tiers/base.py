@@ -98,6 +98,19 @@ class Tier(Generic[S]):
         self._states.move_to_end(best[0])
         return best[1]
 
+    def candidates(self, prompt: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> list[S]:
+        """Every state kept in `partition` a pass over `prompt` cut at `cuts` may resume from (tiers/policy.py),
+        longest first; marks nothing used."""
+        found = [state for state in self._states.values() if resumable(state, prompt, cuts, partition)]
+        return sorted(found, key=lambda state: -state.at)
+
+    def touch(self, state: S) -> None:
+        """Mark `state` as the most recently used (the one a request resumes from)."""
+        for key, held in self._states.items():
+            if held is state:
+                self._states.move_to_end(key)
+                return
+
     def _served(self, state: S) -> None:
         """Count a resume from `state`: a hit for it and the tier, its rows as cached tokens."""
         state.hits += 1

@@ -2,10 +2,15 @@
 
     keep     on the device; when the device tier is off or refuses it (larger than the tier), in the host tier;
              when both are off or refuse it, staged for the disk tier
-    lookup   the longest state any tier may resume from (device first on a tie; the disk only when longer and
-             worth reading, tiers/disk.py); the tier that serves it counts a hit, every other tier a miss, once
-             per admitted request; a disk read that fails its check falls back to the next shorter state on the
-             host or on disk
+    lookup   of every state any tier may resume from, the one with the least predicted time to first token:
+             restore bytes over the tier's bandwidth (times the margin on the disk) + prefill of the rest
+             (tiers/rates.py; nothing when prefilling from row 0 is predicted no slower); ties go to the longer
+             state, then the faster tier; the tier that serves it counts a hit, every other tier a miss, once
+             per admitted request; a disk read that fails its check falls back the same way to a shorter state
+             on the host or on disk
+    promote  a host hit, restored into its claim, moves up to the device tier (its full pages held there by
+             reference, tail and fixed copies made on the way) when the device tier has room for it without
+             letting any state go; else it stays on the host
     evict    the device tier lets a state go into the host tier (tiers/device.py), or into the disk tier when there
              is no host tier or the host refuses it; the host tier lets its states go into the disk tier, or drops
     close    at shutdown the states still kept in RAM are staged for the disk and its queue is flushed
@@ -17,6 +22,8 @@ see only the request's own partition's states (tiers/policy.py).
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterable
 
 import attrs
 
@@ -25,6 +32,7 @@ from tensorfold.tiers.device import DeviceTier
 from tensorfold.tiers.disk import DiskTier
 from tensorfold.tiers.host import HostTier
 from tensorfold.tiers.policy import mark_passed
+from tensorfold.tiers.rates import PREFILL_ROWS_PER_S, prefill_seconds, restore_seconds
 from tensorfold.tiers.states import DiskState, HostState, KeptState
 from tensorfold.tiers.stats import TierStats
 
@@ -33,10 +41,11 @@ log = logging.getLogger(__name__)
 
 @attrs.frozen
 class Hit:
-    """The state a request resumes from, and the tier holding it."""
+    """The state a request resumes from, the tier holding it, and its predicted seconds to the first token."""
 
     tier: DeviceTier | HostTier | DiskTier
     state: KeptState | HostState | DiskState
+    seconds: float = 0.0
 
 
 @attrs.frozen
@@ -61,7 +70,8 @@ class _HostThenDisk:
 class KeptTiers:
     """The device tier, the host tier below it and the disk tier below both; any may be off, not all."""
 
-    def __init__(self, device: DeviceTier | None, host: HostTier | None, disk: DiskTier | None = None) -> None:
+    def __init__(self, device: DeviceTier | None, host: HostTier | None, disk: DiskTier | None = None,
+                 prefill_rows_per_s: float = PREFILL_ROWS_PER_S) -> None:
         if device is None and host is None and disk is None:
             raise ValueError("kept tiers need a device tier, a host tier, a disk tier or some of them")
         self.device = device
@@ -75,24 +85,79 @@ class KeptTiers:
         self.tiers: tuple[DeviceTier | HostTier | DiskTier, ...] = tuple(
             t for t in (device, host, disk) if t is not None)
         self.resumed_from: str | None = None          # the tier the last admitted request resumed from
+        self._prefill_rows_per_s = prefill_rows_per_s
+
+    @property
+    def prefill_rows_per_s(self) -> float:
+        """The prefill rate the choice of a resume point predicts with: the disk tier's startup measure when there
+        is one, else the chain's own (tiers/rates.py)."""
+        return self.disk.prefill_rows_per_s if self.disk is not None else self._prefill_rows_per_s
+
+    def predict(self, tier: DeviceTier | HostTier | DiskTier, state: KeptState | HostState | DiskState,
+                prompt_rows: int) -> float:
+        """Predicted seconds to the first token of a pass over `prompt_rows` rows resumed from `state` on `tier`:
+        its restore (bytes over the tier's bandwidth, times the margin on the disk) + prefilling the rest."""
+        return self._restore_s(tier, state) + prefill_seconds(prompt_rows - state.at, self.prefill_rows_per_s)
+
+    def _restore_s(self, tier: DeviceTier | HostTier | DiskTier, state: KeptState | HostState | DiskState) -> float:
+        seconds = restore_seconds(tier.restore_bytes(state), tier.bytes_per_s)
+        return seconds * self.disk.margin if tier is self.disk and self.disk is not None else seconds
+
+    def choose(self, candidates: Iterable[Hit], prompt_rows: int) -> Hit | None:
+        """The candidate with the least predicted time to first token, None when prefilling from row 0 is
+        predicted no slower (docs/memory.md). A candidate's score is its restore time minus the prefill time of
+        the rows it skips (the prompt's own prefill time cancels out, so an unmeasured or unbounded rate still
+        orders them); ties go to the longer state, then the faster tier. A prefill rate that is not a number
+        reads nothing from disk and takes the longest state in RAM."""
+        rate = self.prefill_rows_per_s
+        best: tuple[tuple[float, int, int], Hit] | None = None
+        for hit in candidates:
+            if math.isnan(rate):
+                if hit.tier is self.disk:
+                    continue
+                score = -math.inf
+            else:
+                score = self._restore_s(hit.tier, hit.state) - prefill_seconds(hit.state.at, rate)
+            key = (score, -hit.state.at, self.tiers.index(hit.tier))
+            if math.isnan(score) or not score < 0:
+                continue
+            if best is None or key < best[0]:
+                best = (key, hit)
+        if best is None:
+            return None
+        hit = best[1]
+        return attrs.evolve(hit, seconds=self.predict(hit.tier, hit.state, prompt_rows))
+
+    def candidates(self, prompt: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> list[Hit]:
+        """Every kept state of `partition` in any tier a pass over `prompt` cut at `cuts` may resume from, each
+        tier's longest first, fastest tier first."""
+        return [Hit(tier, state) for tier in self.tiers for state in tier.candidates(prompt, cuts, partition)]
 
     def lookup(self, prompt: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> Hit | None:
-        """The longest state kept in `partition` a pass over `prompt` cut at `cuts` may resume from, in any tier;
-        counts nothing."""
-        best: Hit | None = None
-        for tier in self.ram:
-            state = tier.find(prompt, cuts, partition)
-            if state is not None and (best is None or state.at > best.state.at):
-                best = Hit(tier, state)
-        if self.disk is not None:
-            found = self.disk.find(prompt, cuts, beyond=best.state.at if best is not None else 0, partition=partition)
-            if found is not None:
-                best = Hit(self.disk, found)
-        return best
+        """The state kept in `partition`, in any tier, a pass over `prompt` cut at `cuts` resumes from: of every
+        one it may resume from, the one with the least predicted time to first token (`choose`), marked used; a
+        longer state on disk passed over is counted as declined once the request is admitted. Counts nothing
+        else."""
+        found = self.candidates(prompt, cuts, partition)
+        hit = self.choose(found, len(prompt))
+        self._declined(found, hit)
+        if hit is not None:
+            hit.tier.touch(hit.state)
+        return hit
+
+    def _declined(self, found: list[Hit], hit: Hit | None) -> None:
+        """Tell the disk tier when its longest candidate was longer than the chosen state and not chosen."""
+        if self.disk is None:
+            return
+        on_disk = [h for h in found if h.tier is self.disk]
+        at = hit.state.at if hit is not None else 0
+        if on_disk and on_disk[0].state.at > at and (hit is None or hit.tier is not self.disk):
+            self.disk.decline(on_disk[0].state, on_disk[0].state.at - at)
 
     def admitted(self, hit: Hit | None, claim: Claim, owner: str = "") -> int:
         """A request was admitted with this hit: restore it into the claim and count hits and misses; the rows it
-        resumes at (after a disk read that failed its check, a shorter state's; 0: the request prefills)."""
+        resumes at (after a disk read that failed its check, a shorter state's; 0: the request prefills). A host
+        hit moves up to the device tier when that has room for it without letting any state go."""
         self.resumed_from = hit.tier.name if hit is not None else None
         for tier in self.tiers:
             if hit is None or tier is not hit.tier:
@@ -103,19 +168,33 @@ class KeptTiers:
             return 0
         if hit.tier is self.disk:
             return self._from_disk(hit, claim, owner)
-        hit.tier.restore(hit.state, claim)
+        self._restore(hit, claim)
         return hit.state.at
+
+    def _restore(self, hit: Hit, claim: Claim) -> None:
+        """Restore a device or host hit into the claim; a host hit is promoted (module docstring)."""
+        if hit.tier is not self.host or self.device is None or not self.device.has_room(hit.state.at):
+            hit.tier.restore(hit.state, claim)
+            return
+        state = hit.state
+        made = self.host.restore(state, claim, promote=self.device.page_rows or 0)
+        kept = self.device.adopt(claim, state.tokens, state.cuts, made.tail_start, made.tail, made.fixed, state.why,
+                                 state.passed, state.partition)
+        if kept is not None:
+            self.host.forget(state)
+            log.debug("promoted the state at %s from the host tier to the device tier", f"{state.at:,}")
 
     def _from_disk(self, hit: Hit, claim: Claim, owner: str) -> int:
         """Read a disk hit into the claim; when a read fails its check (the store forgets that state), fall back
-        to the longest shorter state the host tier or the disk holds for the same pass, until one reads or none
-        is left. The claim is untouched until a read succeeds, so a fallback restores into it as if first."""
+        to the shorter state the host tier or the disk holds for the same pass with the least predicted time to
+        first token, until one reads or none is left. A failed read leaves the claim fresh, so a fallback
+        restores into it as if first."""
         assert self.disk is not None
         while True:
-            image = self.disk.read(hit.state, owner)
-            if image is not None:
+            at = self.disk.load(hit.state, claim, owner)
+            if at is not None:
                 self.resumed_from = self.disk.name
-                return self.disk.put(hit.state, image, claim, owner)
+                return at
             fallback = self._shorter(hit.state, owner)
             if fallback is None:
                 self.resumed_from = None
@@ -124,24 +203,21 @@ class KeptTiers:
                      fallback.tier.name)
             if fallback.tier is not self.disk:
                 fallback.tier.misses -= 1              # counted a miss at admission; it serves the request after all
+                fallback.tier.touch(fallback.state)
                 fallback.tier.restore(fallback.state, claim)
                 self.resumed_from = fallback.tier.name
                 return fallback.state.at
             hit = fallback
 
     def _shorter(self, state: DiskState, owner: str) -> Hit | None:
-        """The longest state of its partition shorter than `state` a pass with its cuts may resume from, in a tier
-        whose states share no pages (a fresh claim was taken without them)."""
-        best: Hit | None = None
-        for tier in self.ram:
-            found = tier.find(state.tokens, state.cuts, state.partition)
-            if found is not None and not found.pages and (best is None or found.at > best.state.at):
-                best = Hit(tier, found)
+        """Of the states of its partition shorter than `state` a pass with its cuts may resume from, in a tier
+        whose states share no pages (a fresh claim was taken without them), the one `choose` takes."""
+        found = [hit for hit in self.candidates(state.tokens, state.cuts, state.partition) if not hit.state.pages]
+        chosen = self.choose(found, len(state.tokens))
+        self._declined(found, chosen)
         assert self.disk is not None
-        found_disk = self.disk.find(state.tokens, state.cuts, beyond=best.state.at if best is not None else 0,
-                                    partition=state.partition)
         self.disk.looked_up(owner)
-        return Hit(self.disk, found_disk) if found_disk is not None else best
+        return chosen
 
     def ready(self) -> None:
         """Wait for the restores' copies once, before the next step."""

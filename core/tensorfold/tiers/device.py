@@ -30,10 +30,12 @@ from tensorfold.kv import PagedStore
 from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.tiers.base import Lower, Tier
-from tensorfold.tiers.states import KeptState
+from tensorfold.tiers.lanes import Lane
+from tensorfold.tiers.rates import DEVICE_BYTES_PER_S, Rate, TimedRestores
+from tensorfold.tiers.states import Copies, KeptState
 
 
-class DeviceTier(Tier[KeptState]):
+class DeviceTier(TimedRestores, Tier[KeptState]):
     """Kept states over one StreamMemory, within `budget` bytes; evicted ones move to `lower` when there is one."""
 
     name = "device"
@@ -46,6 +48,9 @@ class DeviceTier(Tier[KeptState]):
         self.lower = lower
         self.page_rows = memory.pool.page_rows if memory.pool is not None else None
         self.page_bytes = memory.kv.page_bytes if isinstance(memory.kv, PagedStore) else 0
+        self.lane = Lane(memory.kv.device)
+        self._timing(Rate(DEVICE_BYTES_PER_S.get(memory.kv.device.type, DEVICE_BYTES_PER_S["cpu"])))
+        self.promoted = 0     # states taken in from the host tier after a host hit (chain.py)
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +104,36 @@ class DeviceTier(Tier[KeptState]):
             pass
         return True
 
+    def promotion_bytes(self, at: int) -> int:
+        """Bytes a state at `at` promoted over a fresh claim's pages adds: its full pages, its tail and fixed copies
+        (none of its pages is held by another state)."""
+        layout = self.memory.kv.layout
+        total = layout.stream_bytes(at)
+        if self.page_rows is None:
+            return total
+        full = at // self.page_rows * self.page_rows
+        in_pages = sum(spec.entries(full) * spec.entry_bytes for layer in layout.layers for spec in layer.rows)
+        return total - in_pages + full // self.page_rows * self.page_bytes
+
+    def has_room(self, at: int) -> bool:
+        """Whether a state at `at` promoted from the host fits within the budget without letting any state go."""
+        return self.nbytes + self.promotion_bytes(at) <= self.budget
+
+    def adopt(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...], tail_start: int, tail: Copies,
+              fixed: Copies, why: frozenset[str], passed: bool, partition: str) -> KeptState | None:
+        """Keep a state a host restore just put into `claim` (promotion): its full pages by reference, its tail and
+        fixed copies as given; never lets another state go (None, nothing kept, when it does not fit)."""
+        at = len(tokens)
+        pages = tuple(claim.lease.pages[: tail_start // self.page_rows]) if self.page_rows and claim.lease else ()
+        state = KeptState(tokens=tokens, at=at, cuts=cuts, pages=pages, tail_start=tail_start, tail=tail,
+                          fixed=fixed, why=why, passed=passed, partition=partition)
+        if self.nbytes + self.alone_bytes(state) > self.budget:
+            return None
+        if self.memory.pool is not None and pages:
+            self.memory.pool.keep(pages)
+        self.promoted += 1
+        return self._add(state)
+
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
                   why: frozenset[str] = frozenset(), partition: str = "") -> bool:
         """Snapshot and keep the slot's state at `len(tokens)` in `partition` unless that exact state is kept
@@ -147,13 +182,21 @@ class DeviceTier(Tier[KeptState]):
         kv = self.memory.kv
         if claim.lease is not None and tuple(claim.lease.pages[: len(state.pages)]) != state.pages:
             raise ValueError("the claim does not start with the kept state's pages")
+        self._harvest()
+        timer = self.lane.timer(compute=True)
         for i, name, tensor in state.fixed:
             kv.write_fixed(i, name, claim.slot, tensor)
         self.memory.extend(claim, state.at)
         for i, name, tensor in state.tail:
             if tensor.shape[0]:
                 kv.write_rows(i, name, claim.slot, state.tail_start, tensor)
+        timer.stop()
+        self._timed_restore(timer, state.copy_bytes)
         self._served(state)
+
+    def restore_bytes(self, state: KeptState) -> int:
+        """Bytes a restore of `state` copies: its tail and fixed copies (its full pages are shared)."""
+        return state.copy_bytes
 
     # -- accounting ---------------------------------------------------------------------------------------------
 
@@ -189,6 +232,10 @@ class DeviceTier(Tier[KeptState]):
 
     def describe(self) -> dict[str, int]:
         """Numbers for /memory."""
+        self._harvest()
         return {"prompt_cache_states": len(self), "prompt_cache_bytes": self.nbytes,
                 "prompt_cache_budget": self.budget, "prompt_cache_hits": self.hits,
-                "prompt_cache_evicted": self.evicted}
+                "prompt_cache_evicted": self.evicted, "prompt_cache_promoted": self.promoted,
+                "prompt_cache_restored_bytes": self.restored_bytes,
+                "prompt_cache_restore_seconds": round(self.restore_seconds, 6),
+                "prompt_cache_restore_bytes_per_s": round(self.rate.value)}

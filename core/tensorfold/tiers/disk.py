@@ -4,15 +4,19 @@ evictions and restarts.
     in      a state the host tier lets go (the device tier's, with the host tier off; or a keep point every faster
             tier refuses) is staged as host copies and handed to the one I/O thread (rows/writer.py), which makes
             its image (image.read_out over the copies) and writes it, unless that state is on disk already; the
-            step that let it go never waits on the disk
+            step that let it go never waits on the disk. Copies out of the device go into the tier's arena
+            (tiers/arena.py, pinned on CUDA) through its Lane, asynchronously (tiers/copy_out.py): the step never
+            waits for them either, and the I/O thread waits for them to land before it reads them
     lookup  after the device and host tiers: the store's longest state a pass over the prompt may resume from
             (its tokens a prefix, its cuts the pass's own, written in the request's partition, which the store
             folds into every name: rows/names.py), if longer than theirs; it is read only when the payoff
             rule (rows/payoff.py) says reading its bytes beats prefilling the rows it saves, with the model's
             prefill rate measured at startup and the store's read rate estimated at startup (sequential read and
             sha256) then taken from each resume's read and put back; a decline is counted and logged
-    out     at admission, before the stream's first step: read (the store verifies lengths, hashes and words), put
-            back into the fresh claim's slot (image.put_back); a read that fails is counted and the store forgets
+    out     at admission, before the stream's first step: read (the store verifies lengths, hashes and words: one
+            reader thread, hashing behind it, each block put back as it is verified, rows/assemble.py) into a
+            buffer carved from the tier's arena and given back after (no allocation per read), put back into the
+            fresh claim's slot (image.put_back); a read that fails is counted and the store forgets
             the state; the chain (chain.py) then falls back to the next shorter state on the host or on disk, else
             the request prefills from row 0, so its reply equals a fresh run's
     close   at shutdown the states still kept on the device and the host are staged too (most recently used
@@ -30,11 +34,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorfold.image import ImageFormat, StateImage, put_back, read_out
+from tensorfold.image_rows import RowsTable, put_rows_part
 from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.rows.api import Damaged, StateEntry, StoreStats
 from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
+from tensorfold.tiers.arena import HostArena
+from tensorfold.tiers.lanes import Lane
 from tensorfold.tiers.staged import CopiesView, Staged, from_slot, from_state
 from tensorfold.tiers.states import DiskState, HostState, KeptState
 from tensorfold.tiers.stats import TierStats
@@ -45,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE_BYTES = 2**30   # host memory states may take while they wait for the I/O thread
+DISK_RESERVE_BYTES = 4 * 2**30  # at most this much host memory carved ready at startup (boot.build_disk): a read
+                                # buffer of the longest state, then its next turn's state staged in the same room
 FLUSH_S = 10.0        # how long shutdown waits for the queue to be written
 IN_HAND_S = 5.0       # past that, how long it waits for the one state being written
 SPILL_STEP_S = 1e-6   # at shutdown, each state is stamped this much less recently used than the one before it
@@ -57,8 +66,13 @@ class DiskTier:
 
     def __init__(self, memory: StreamMemory, store: RowsStore, fmt: ImageFormat, read_bytes_per_s: float,
                  prefill_rows_per_s: float, verify: bool = False, stage_bytes: int = STAGE_BYTES,
-                 flush_s: float = FLUSH_S, margin: float = 1.0) -> None:
+                 flush_s: float = FLUSH_S, margin: float = 1.0, reserve: int = 0) -> None:
         self.memory = memory
+        self.lane = Lane(memory.kv.device)
+        self.pin = memory.kv.device.type == "cuda"
+        self.arena = HostArena(self.pin, limit=2 * (stage_bytes + reserve))
+        if self.pin and reserve:
+            self.arena.reserve(reserve)         # one slab: a whole state (or its rows part) fits in it
         self.store = store
         self.fmt = fmt
         self.read_bytes_per_s = read_bytes_per_s
@@ -68,6 +82,8 @@ class DiskTier:
         self.margin = margin
         self.hits = self.misses = self.declined = self.failed_reads = self.cached_tokens = 0
         self.read_seconds = 0.0
+        self.restored_bytes = 0
+        self.restore_seconds = 0.0
         self.staged = self.on_disk_already = self.skipped = self.verified = self.mismatches = 0
         self._declining: tuple[StateEntry, int] | None = None
         self._deadline: float | None = None
@@ -86,12 +102,12 @@ class DiskTier:
                   why: frozenset[str] = frozenset(), partition: str = "") -> bool:
         """Stage the state a slot holds at `len(tokens)` (no faster tier took it), kept in `partition`, and queue
         it; False as `take` says."""
-        return self.store.writes_off is None and self._queue(from_slot(self.memory.kv, claim, tokens, cuts, why,
-                                                                       partition))
+        return self.store.writes_off is None and self._queue(
+            from_slot(self.memory.kv, self.lane, self.arena, claim, tokens, cuts, why, partition))
 
     def stage(self, state: KeptState | HostState, used: float | None = None) -> Staged:
         """Host copies of a device or host state (tiers/staged.py); `used` its last use, when not now."""
-        return from_state(self.memory.kv, state, used)
+        return from_state(self.memory.kv, self.lane, self.arena, state, used)
 
     def _queue(self, staged: Staged) -> bool:
         if self._deadline is not None:
@@ -100,6 +116,8 @@ class DiskTier:
             queued = self.writer.put(staged)
         if queued:
             self.staged += 1
+            if self.pin:
+                self.arena.ahead(staged.nbytes)      # room for one more like it, grown off the engine's thread
         elif self._closed or not self.writer.alive:
             log.warning("not kept on disk at %s: the disk tier is closed", f"{staged.at:,}")
         else:
@@ -110,6 +128,7 @@ class DiskTier:
     # -- the I/O thread -----------------------------------------------------------------------------------------
 
     def _write(self, job: Staged) -> None:
+        job.settle()                               # its copies out of the device have landed
         began = time.monotonic()
         image = read_out(CopiesView(self.memory.kv.layout, job), 0, job.at, self.fmt)
         reasons = ", ".join(sorted(job.why)) or "kept"
@@ -160,6 +179,30 @@ class DiskTier:
         return DiskState(tokens=tuple(prompt[: entry.at]), at=entry.at, cuts=tuple(entry.cuts), entry=entry,
                          partition=partition)
 
+    def candidates(self, prompt: tuple[int, ...], cuts: tuple[int, ...], partition: str = "") -> list[DiskState]:
+        """Every state on disk kept in `partition` a pass over `prompt` cut at `cuts` may resume from, longest
+        first; counts nothing (the chain weighs them against the other tiers', chain.py)."""
+        self._declining = None
+        return [DiskState(tokens=tuple(prompt[: entry.at]), at=entry.at, cuts=tuple(entry.cuts), entry=entry,
+                          partition=partition) for entry in self.store.candidates(prompt, cuts, partition)]
+
+    def decline(self, state: DiskState, saved: int) -> None:
+        """The chain chose another resume point than `state`, which would have saved `saved` more rows: counted
+        and logged once the request is admitted (`looked_up`)."""
+        self._declining = (state.entry, saved)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The read rate the choice of a resume point predicts with (startup probe, then measured reads)."""
+        return self.read_bytes_per_s
+
+    def restore_bytes(self, state: DiskState) -> int:
+        """Bytes a restore of `state` reads: its state file and blocks."""
+        return state.entry.nbytes
+
+    def touch(self, state: DiskState) -> None:
+        """The store marks a state used when it is read."""
+
     def looked_up(self, owner: str) -> None:
         """A request was admitted after the last `find`: count and log a read the payoff rule declined."""
         if self._declining is None:
@@ -171,6 +214,61 @@ class DiskTier:
         log.info("%s: declined the state at %s on disk: reading %s at %s/s costs more than prefilling %s rows at "
                  "%s rows/s", owner, f"{entry.at:,}", _size(entry.nbytes), _size(self.read_bytes_per_s),
                  f"{saved:,}", f"{self.prefill_rows_per_s:,.0f}")
+
+    def load(self, state: DiskState, claim: Claim, owner: str = "") -> int | None:
+        """Read a state into a fresh claim (no shared pages), each block's rows put back as soon as it is read and
+        verified while the later blocks are still read (rows/assemble.py), then its fixed states and last rows;
+        the rows resumed, or None when the read failed its check or the image does not fit the Layout (counted
+        and logged; the store forgets a damaged state; the claim is made fresh again, so a fallback restores into
+        it as if first)."""
+        kv = self.memory.kv
+        if claim.lease is not None and claim.lease.pages:
+            raise ValueError("a disk state is restored into a claim that shares no pages")
+        table = RowsTable.of(kv, self.fmt.rows)
+        done = [0]
+
+        def put(first: int, rows: int, data: memoryview) -> None:
+            put_rows_part(kv, claim.slot, data, first, first + rows, table)
+            done[0] = max(done[0], first + rows)
+
+        def into(nbytes: int) -> memoryview:
+            return memoryview(self.arena.empty((nbytes,), torch.uint8).numpy())
+
+        began = time.perf_counter()
+        try:
+            self.memory.extend(claim, state.at)
+            image = self.store.read(state.entry, put=put, into=into)
+            if image.at != state.at:
+                raise Damaged(f"the state file says at {image.at}, its index entry {state.at}")
+            read_s = time.perf_counter() - began
+            put_back(kv, claim.slot, image, self.fmt, start=done[0])
+        except (Damaged, OSError, ValueError) as err:
+            self._failed(state, owner, err)
+            self.memory.reset(claim)
+            return None
+        if kv.device.type == "cuda":
+            torch.cuda.synchronize(kv.device)
+        seconds = time.perf_counter() - began
+        self.read_seconds += read_s
+        state.read_s = read_s
+        log.info("%s: read the state at %s from disk: %s in %.1f ms (%s/s), put back as read", owner,
+                 f"{state.at:,}", _size(state.entry.nbytes), seconds * 1e3,
+                 _size(state.entry.nbytes / max(seconds, 1e-9)))
+        self._measured(state, seconds)
+        return state.at
+
+    def _measured(self, state: DiskState, seconds: float) -> None:
+        """A resume from `state` took `seconds` (read, verify and put back): the read rate moves toward it; counted
+        as a hit."""
+        before = self.read_bytes_per_s
+        self.read_bytes_per_s = observed_rate(before, state.entry.nbytes, seconds)
+        self.restored_bytes += state.entry.nbytes
+        self.restore_seconds += seconds
+        log.info("the payoff rule now reads at %s/s (was %s/s): measured on this resume", _size(self.read_bytes_per_s),
+                 _size(before))
+        state.hits += 1
+        self.hits += 1
+        self.cached_tokens += state.at
 
     def restore(self, state: DiskState, claim: Claim, owner: str = "") -> int:
         """Read a state and put it into a fresh claim (no shared pages); the rows resumed, or 0 when the read
@@ -212,13 +310,7 @@ class DiskTier:
             return 0
         if kv.device.type == "cuda":
             torch.cuda.synchronize(kv.device)
-        before = self.read_bytes_per_s
-        self.read_bytes_per_s = observed_rate(before, state.entry.nbytes, state.read_s + time.perf_counter() - began)
-        log.info("the payoff rule now reads at %s/s (was %s/s): measured on this resume", _size(self.read_bytes_per_s),
-                 _size(before))
-        state.hits += 1
-        self.hits += 1
-        self.cached_tokens += state.at
+        self._measured(state, state.read_s + time.perf_counter() - began)
         return state.at
 
     def _failed(self, state: DiskState, owner: str, err: Exception) -> None:
@@ -290,6 +382,7 @@ class DiskTier:
         return {"disk_states": store.states, "disk_bytes": store.bytes, "disk_budget": store.budget,
                 "disk_hits": self.hits, "disk_written": store.written, "disk_written_bytes": store.written_bytes,
                 "disk_read_bytes": store.read_bytes, "disk_read_seconds": round(self.read_seconds, 6),
+                "disk_restored_bytes": self.restored_bytes, "disk_restore_seconds": round(self.restore_seconds, 6),
                 "disk_damaged": store.damaged,
                 "disk_failed_reads": self.failed_reads, "disk_declined": self.declined,
                 "disk_skipped_daily": store.skipped_daily, "disk_skipped_floor": store.skipped_floor,

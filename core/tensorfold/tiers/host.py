@@ -1,14 +1,27 @@
 """The host tier: kept prompt states in host memory, below the device tier (`--host-cache-gib`).
 
 A host state is a whole copy of a state at `at`: every row state's entries for rows [0, at) and every fixed
-state, in host memory — pinned when the store is on CUDA, so copies run asynchronously; ordinary memory on the
+state, in host memory carved from the tier's arena (tiers/arena.py): slabs pinned when the store is on CUDA, so
+copies run asynchronously, reserved at startup (up to HOST_RESERVE_BYTES of the budget) and grown ahead on a thread
+of their own, so keeping, restoring and dropping a state allocate and free no host memory; ordinary memory on the
 CPU. It holds no page of the pool and shares nothing with other states.
 
-    in    a state the device tier lets go: its shared pages' rows and its copies, copied here; or a slot's state
-          itself when there is no device tier or the device tier refused it
-    out   a hit is copied into a fresh claim at admission, before the stream's first step, in pieces of at least
-          `piece_bytes` (2 MiB): on CUDA an asynchronous copy from pinned memory per piece, then its scatter into
-          the claim's pages, with one synchronisation before the step (`ready`); on the CPU plain copies
+    in    a state the device tier lets go: its shared pages' rows and its copies; or a slot's state itself when
+          there is no device tier or the device tier refused it. Copied out through the tier's Lane
+          (tiers/lanes.py): per layer, its pages gathered in pieces of up to `piece_bytes` on the copy stream and
+          copied into the state's memory asynchronously, its fixed states straight from the slot; each layer's
+          end marked by an event that the compute stream waits on before it next touches that layer (so the step
+          after a keep never overwrites what is still being copied out), the last one the state's `landed`, which
+          a reader on the host (the disk's I/O thread) waits for. The host never waits
+    out   a hit is copied into a fresh claim at admission, layer by layer, through the same Lane: per row state,
+          its full pages in pieces of up to `piece_bytes` (64 MiB), each one asynchronous copy from pinned memory
+          into a device buffer on the copy stream, then one index_copy_ of its pages into the claim's pages there;
+          the last partial page copied into place; each layer's end marked by an event that the compute stream
+          waits on at the step's first access to that layer (kv/base.py), so neither the host nor the step waits
+          for more than the layer it reads. The state's memory is fenced with the last event: dropped meanwhile,
+          it is carved again only once the copies have read it. On the CPU the same code runs as plain copies.
+          With `promote`, the tail and fixed copies a device state needs are cloned on the device from the claim
+          once restored there (chain.py moves the state up to the device tier when it has room)
 
 Bytes = Σ states (Σ row states entries(at) · entry bytes + fixed bytes). Past the budget states go, moved-past
 ones first, then the least recently used (tiers/policy.py), never the state being resumed; a state larger than
@@ -17,25 +30,42 @@ the budget is refused and counted. States let go move to the disk tier when ther
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from tensorfold.kv import PagedStore
 from tensorfold.layout import DTYPES, RowState
 from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
+from tensorfold.tiers.arena import HostArena
 from tensorfold.tiers.base import Lower, Tier
+from tensorfold.tiers.copy_out import CopiedOut, kept_out, slot_out
+from tensorfold.tiers.lanes import Lane
+from tensorfold.tiers.rates import HOST_BYTES_PER_S, Rate, TimedRestores
 from tensorfold.tiers.states import Copies, HostState, KeptState
 
-PIECE_BYTES = 2 * 2**20  # the smallest host → device copy: fewer, larger transfers run near the link's speed
+PIECE_BYTES = 64 * 2**20        # the largest copy between host and device (its device buffer): large copies run at
+                                # the link's speed
+HOST_RESERVE_BYTES = 4 * 2**30  # host memory carved ready at startup (within the budget, pinned on CUDA)
 
 
-class HostTier(Tier[HostState]):
+@attrs.frozen
+class Promoted:
+    """What a device state made from a host restore needs beyond the claim's pages: the copies of its partial last
+    page's entries (from row `tail_start`) and of its fixed states, on the device."""
+
+    tail_start: int
+    tail: Copies
+    fixed: Copies
+
+
+class HostTier(TimedRestores, Tier[HostState]):
     """Host copies of kept states for one StreamMemory, within `budget` bytes."""
 
     name = "host"
 
     def __init__(self, memory: StreamMemory, budget: int, pin: bool | None = None,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, reserve: int = HOST_RESERVE_BYTES) -> None:
         if budget <= 0:
             raise ValueError(f"a host tier needs a budget above 0 bytes, got {budget}")
         if piece_bytes < 1:
@@ -50,7 +80,11 @@ class HostTier(Tier[HostState]):
         self._specs: dict[tuple[int, str], RowState] = {
             (i, s.name): s for i, layer in enumerate(layout.layers) for s in layer.rows}
         self._bytes = 0
-        self._pending = False
+        self.arena = HostArena(self.pin, limit=budget + budget // 4)   # a quarter more: room for its free runs
+        if self.pin:
+            self.arena.reserve(min(budget, reserve))
+        self.lane = Lane(memory.kv.device)
+        self._timing(Rate(HOST_BYTES_PER_S.get(memory.kv.device.type, HOST_BYTES_PER_S["cpu"])))
 
     @property
     def nbytes(self) -> int:
@@ -65,40 +99,26 @@ class HostTier(Tier[HostState]):
 
     def take(self, state: KeptState, spare: object | None = None) -> bool:
         """Copy a device state here (its pages' rows and its copies) as the device tier lets it go; False,
-        counted as refused, when there is no room for it (never making room by evicting `spare`)."""
+        counted as refused, when there is no room for it (never making room by evicting `spare`). The copies run
+        on the lane; the host never waits for them (module docstring)."""
         if not self._room(self.state_bytes(state.at), spare):
             return False
-        kv = self.memory.kv
-        index = torch.tensor(state.pages, dtype=torch.long, device=kv.device) if state.pages else None
-        rows = []
-        for i, name, tail in state.tail:
-            spec = self._specs[i, name]
-            host = self._empty((spec.entries(state.at), *spec.shape), DTYPES[spec.dtype])
-            full = state.tail_start // spec.every
-            if index is not None:
-                pages = kv.row_pages(i, name)[index]
-                host[:full].copy_(pages.reshape(-1, *spec.shape), non_blocking=self.pin)
-            host[full:].copy_(tail, non_blocking=self.pin)
-            rows.append((i, name, host))
-        self._insert(HostState(tokens=state.tokens, at=state.at, cuts=state.cuts, rows=tuple(rows),
-                               fixed=self._copies(state.fixed), why=state.why, passed=state.passed,
-                               partition=state.partition))
+        out = kept_out(self.memory.kv, self.lane, self.arena, state, self.piece_bytes)
+        self._insert(HostState(tokens=state.tokens, at=state.at, cuts=state.cuts, rows=out.rows, fixed=out.fixed,
+                               why=state.why, passed=state.passed, partition=state.partition), out, None)
         return True
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
                   why: frozenset[str] = frozenset(), spare: object | None = None,
                   partition: str = "") -> HostState | None:
         """Copy the state a slot holds at `len(tokens)` (the end of its last step) here, kept in `partition`; None
-        when refused."""
+        when refused. The copies run on the lane; the host never waits for them (module docstring)."""
         at = len(tokens)
         if not self._room(self.state_bytes(at), spare):
             return None
-        kv = self.memory.kv
-        rows = self._copies((i, name, kv.rows(i, name, claim.slot, at)) for i, name in self._specs)
-        fixed = self._copies((i, s.name, kv.fixed(i, s.name, claim.slot))
-                             for i, layer in enumerate(kv.layout.layers) for s in layer.fixed)
-        return self._insert(HostState(tokens=tokens, at=at, cuts=cuts, rows=rows, fixed=fixed, why=frozenset(why),
-                                      partition=partition))
+        out = slot_out(self.memory.kv, self.lane, self.arena, claim, at, self.piece_bytes)
+        return self._insert(HostState(tokens=tokens, at=at, cuts=cuts, rows=out.rows, fixed=out.fixed,
+                                      why=frozenset(why), partition=partition), out, claim.slot)
 
     def _room(self, need: int, spare: object | None) -> bool:
         """Make room for `need` bytes; False, counted as refused, when the budget cannot hold them."""
@@ -111,22 +131,14 @@ class HostTier(Tier[HostState]):
                 return False
         return True
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-
-    def _copies(self, tensors) -> Copies:
-        out = []
-        for i, name, tensor in tensors:
-            host = self._empty(tuple(tensor.shape), tensor.dtype)
-            host.copy_(tensor, non_blocking=self.pin)
-            out.append((i, name, host))
-        return tuple(out)
-
-    def _insert(self, state: HostState) -> HostState:
-        if self.cuda:
-            torch.cuda.synchronize(self.memory.kv.device)  # the copies out of device memory have landed
+    def _insert(self, state: HostState, out: CopiedOut, slot: int | None) -> HostState:
+        """Hold a state whose copies out of the device are queued (copy_out.py: the store's reader waits for them
+        per layer, the arena for the last, which is the state's `landed`)."""
+        state.landed = out.publish(self.memory.kv, self.arena, slot)
         self._add(state)
         self._bytes += state.nbytes
+        if self.pin:
+            self.arena.ahead(state.nbytes)    # room for one more like it, grown off the engine's thread
         return state
 
     # -- letting states go --------------------------------------------------------------------------------------
@@ -154,46 +166,103 @@ class HostTier(Tier[HostState]):
 
     # -- resuming -----------------------------------------------------------------------------------------------
 
-    def restore(self, state: HostState, claim: Claim) -> None:
-        """Copy a state into a fresh claim (no shared pages): fixed states into its slot, rows [0, at) into its
-        pages in pieces; on CUDA the copies are asynchronous until `ready`."""
+    def restore(self, state: HostState, claim: Claim, promote: int | None = None) -> Promoted | None:
+        """Copy a state into a fresh claim (no shared pages): per layer, its fixed states into the slot and its
+        rows [0, at) into the claim's pages, on the lane (module docstring). With `promote` (the device tier's
+        page rows, 0 without pages) also the device copies of the tail from the last full page on and of the fixed
+        states, which a device state over the claim's pages needs: cloned from the claim on the device."""
         kv = self.memory.kv
         if claim.lease is not None and claim.lease.pages:
             raise ValueError("a host state is restored into a claim that shares no pages")
-        for i, name, host in state.fixed:
-            kv.write_fixed(i, name, claim.slot, host, non_blocking=self.pin)
         self.memory.extend(claim, state.at)
-        for i, name, host in state.rows:
-            spec = self._specs[i, name]
-            step = max(1, -(-self.piece_bytes // spec.entry_bytes))
-            for first in range(0, host.shape[0], step):
-                piece = host[first: first + step]
-                if self.cuda:
-                    piece = piece.to(kv.device, non_blocking=self.pin)
-                self._write(claim, i, name, spec, first, piece)
-        self._pending = self._pending or self.cuda
+        pages = claim.lease.pages if isinstance(kv, PagedStore) and claim.lease is not None else None
+        rows = {(i, name): host for i, name, host in state.rows}
+        fixed = {(i, name): host for i, name, host in state.fixed}
+        tail_start = state.at // promote * promote if promote else 0
+        tail, fixed_copies, marks = [], [], []
+        self._harvest()
+        with self.lane.copying(), kv.aside():
+            timer = self.lane.timer()
+            index = self.lane.index(pages) if pages else None
+            for i, layer in enumerate(kv.layout.layers):
+                for spec in layer.fixed:
+                    kv.write_fixed(i, spec.name, claim.slot, fixed[i, spec.name], non_blocking=self.pin)
+                    if promote is not None:
+                        copy = kv.fixed(i, spec.name, claim.slot).clone()
+                        fixed_copies.append((i, spec.name, self.lane.share(copy)))
+                for spec in layer.rows:
+                    self._put(claim, i, spec, rows[i, spec.name], pages, index)
+                    if promote is not None:
+                        copy = self._tail(claim, i, spec, state.at, tail_start, pages)
+                        tail.append((i, spec.name, self.lane.share(copy)))
+                marks.append((i, self.lane.mark()))
+            timer.stop()
+        for i, mark in marks:
+            if mark is not None:
+                kv.arriving(i, mark, claim.slot)
+        if marks and marks[-1][1] is not None:
+            self.arena.fence(_tensors(state), marks[-1][1])   # dropped meanwhile, its memory waits for the copies
+        self._timed_restore(timer, state.nbytes)
         self._served(state)
+        if promote is None:
+            return None
+        return Promoted(tail_start=tail_start, tail=tuple(tail), fixed=tuple(fixed_copies))
 
-    def _write(self, claim: Claim, layer: int, name: str, spec: RowState, first: int, values: torch.Tensor) -> None:
-        """Entries [first, first + len(values)) into the claim's rows; with pages, scattered by indices made on
-        the host, so no copy waits on the device."""
+    def _tail(self, claim: Claim, layer: int, spec: RowState, at: int, tail_start: int,
+              pages: list[int] | None) -> torch.Tensor:
+        """A device copy of the claim's entries of one row state from row `tail_start` to `at` (on the copy stream,
+        after its restore): the partial last page's, or every entry without pages."""
         kv = self.memory.kv
-        if not isinstance(kv, PagedStore) or claim.lease is None:
-            kv.write_rows(layer, name, claim.slot, first * spec.every, values)
+        first, end = tail_start // spec.every, spec.entries(at)
+        if pages is None:
+            return kv.rows(layer, spec.name, claim.slot, at)[first:].clone()
+        per_page = kv.page_rows // spec.every
+        if end == first:
+            return torch.empty((0, *spec.shape), dtype=DTYPES[spec.dtype], device=kv.device)
+        return kv.row_pages(layer, spec.name)[pages[first // per_page], : end - first].clone()
+
+    def _put(self, claim: Claim, layer: int, spec: RowState, host: torch.Tensor, pages: list[int] | None,
+             index: torch.Tensor | None) -> None:
+        """Entries [0, len(host)) of one row state into the claim: whole pages in pieces of up to `piece_bytes`,
+        each one copy to the device and one index_copy_ into the pages; then the partial last page in place."""
+        kv = self.memory.kv
+        entries = host.shape[0]
+        if not entries:
+            return
+        if pages is None:
+            step = max(1, self.piece_bytes // spec.entry_bytes)
+            for first in range(0, entries, step):
+                piece = self.lane.to_device(host[first: first + step])
+                kv.write_rows(layer, spec.name, claim.slot, first * spec.every, piece)
             return
         per_page = kv.page_rows // spec.every
-        entry = torch.arange(first, first + values.shape[0])
-        if (first + values.shape[0] - 1) // per_page >= len(claim.lease.pages):
-            raise IndexError(f"a restore writes {name!r} entry {first + values.shape[0] - 1}; the claim's "
-                             f"{len(claim.lease.pages)} pages hold {len(claim.lease.pages) * per_page}")
-        pages = torch.tensor(claim.lease.pages, dtype=torch.long)[entry // per_page]
-        kv.row_pages(layer, name)[pages.to(kv.device), (entry % per_page).to(kv.device)] = values
+        if -(-entries // per_page) > len(pages):
+            raise IndexError(f"a restore writes {spec.name!r} entry {entries - 1}; the claim's {len(pages)} pages "
+                             f"hold {len(pages) * per_page}")
+        target = kv.row_pages(layer, spec.name)
+        full = entries // per_page
+        step = max(1, self.piece_bytes // (per_page * spec.entry_bytes))
+        for first in range(0, full, step):
+            count = min(step, full - first)
+            piece = self.lane.to_device(host[first * per_page: (first + count) * per_page])
+            target.index_copy_(0, index[first: first + count], piece.view(count, per_page, *spec.shape))
+        if entries > full * per_page:
+            target[pages[full], : entries - full * per_page].copy_(host[full * per_page:], non_blocking=self.pin)
+
+    def restore_bytes(self, state: HostState) -> int:
+        """Bytes a restore of `state` copies: all of it."""
+        return state.nbytes
+
+    def forget(self, state: HostState) -> bool:
+        """Drop `state` (moved up to the device tier: chain.py), counted as evicted; False when not held."""
+        key = next((k for k, s in self._states.items() if s is state), None)
+        if key is None:
+            return False
+        self._drop(key)
+        return True
 
     def ready(self) -> None:
-        """Wait once for the restores' asynchronous copies, before the step that reads them."""
-        if self._pending:
-            torch.cuda.synchronize(self.memory.kv.device)
-            self._pending = False
+        """Nothing to wait for on the host: the compute stream waits for each layer's copies (kv/base.py)."""
 
     # -- accounting ---------------------------------------------------------------------------------------------
 
@@ -229,5 +298,14 @@ class HostTier(Tier[HostState]):
 
     def describe(self) -> dict[str, int | bool]:
         """Numbers for /memory."""
+        self._harvest()
         return {"host_cache_states": len(self), "host_cache_bytes": self.nbytes, "host_cache_budget": self.budget,
-                "host_cache_hits": self.hits, "host_cache_evicted": self.evicted, "host_cache_pinned": self.pin}
+                "host_cache_hits": self.hits, "host_cache_evicted": self.evicted, "host_cache_pinned": self.pin,
+                "host_restored_bytes": self.restored_bytes, "host_restore_seconds": round(self.restore_seconds, 6),
+                "host_restore_bytes_per_s": round(self.rate.value),
+                **{f"host_arena_{k}": v for k, v in self.arena.describe().items()}}
+
+
+def _tensors(state: HostState) -> list[torch.Tensor]:
+    """Every host tensor of a state."""
+    return [tensor for part in (state.rows, state.fixed) for _, _, tensor in part]

@@ -1,15 +1,22 @@
 """A kept state on its way to the disk (tiers/disk.py): host copies of its rows and fixed states, taken from a slot,
-a device state or a host state, and the KvStore view image.read_out reads them through on the I/O thread."""
+a device state or a host state, and the KvStore view image.read_out reads them through on the I/O thread. Copies out
+of the device go into the disk tier's arena through its Lane (tiers/copy_out.py), so staging a state allocates no
+host memory and the step that stages it never waits; the I/O thread waits for them to land (`settle`)."""
 
 from __future__ import annotations
 
 import attrs
 import torch
 
-from tensorfold.kv import KvStore, PagedStore
+from tensorfold.kv import KvStore
 from tensorfold.layout import Layout
 from tensorfold.memory import Claim
+from tensorfold.tiers.arena import HostArena
+from tensorfold.tiers.copy_out import kept_out, slot_out
+from tensorfold.tiers.lanes import Lane
 from tensorfold.tiers.states import HostState, KeptState, tensor_bytes
+
+PIECE_BYTES = 64 * 2**20   # the largest gather of pages on the device before it is copied out
 
 Copies = dict[tuple[int, str], torch.Tensor]
 
@@ -26,6 +33,7 @@ class Staged:
     fixed: Copies = attrs.field(repr=False)
     used: float | None = None       # unix time it was last used, for the store's LRU order; None: when written
     partition: str = ""
+    landed: object | None = attrs.field(default=None, repr=False)   # on CUDA: its copies are done at this event
 
     @property
     def at(self) -> int:
@@ -36,6 +44,11 @@ class Staged:
     def nbytes(self) -> int:
         """Host bytes its copies hold while it waits."""
         return sum(tensor_bytes(t) for part in (self.rows, self.fixed) for t in part.values())
+
+    def settle(self) -> None:
+        """Wait until its copies have landed, before the I/O thread reads them."""
+        if self.landed is not None:
+            self.landed.synchronize()
 
 
 class CopiesView:
@@ -56,37 +69,28 @@ class CopiesView:
         return self._staged.fixed[layer, name]
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
+def from_slot(kv: KvStore, lane: Lane, arena: HostArena, claim: Claim, tokens: tuple[int, ...],
+              cuts: tuple[int, ...], why: frozenset[str], partition: str = "",
+              piece_bytes: int = PIECE_BYTES) -> Staged:
+    """Host copies of the state a slot holds at `len(tokens)` (the end of its last step), copied out on the lane
+    (tiers/copy_out.py: the host never waits; the I/O thread waits for `landed`)."""
+    out = slot_out(kv, lane, arena, claim, len(tokens), piece_bytes)
+    return Staged(tokens=tokens, cuts=cuts, why=frozenset(why), rows=_by_name(out.rows), fixed=_by_name(out.fixed),
+                  partition=partition, landed=out.publish(kv, arena, claim.slot))
 
 
-def from_slot(kv: KvStore, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...], why: frozenset[str],
-              partition: str = "") -> Staged:
-    """Host copies of the state a slot holds at `len(tokens)` (the end of its last step)."""
-    at = len(tokens)
-    rows = {(i, s.name): _host(kv.rows(i, s.name, claim.slot, at))
-            for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
-    fixed = {(i, s.name): _host(kv.fixed(i, s.name, claim.slot))
-             for i, layer in enumerate(kv.layout.layers) for s in layer.fixed}
-    return Staged(tokens=tokens, cuts=cuts, why=frozenset(why), rows=rows, fixed=fixed, partition=partition)
-
-
-def from_state(kv: KvStore, state: KeptState | HostState, used: float | None = None) -> Staged:
-    """Host copies of a device state (its shared pages' rows and its copies) or a host state (its copies, not
-    copied again: the host tier never changes them); `used` its last use, when not now."""
+def from_state(kv: KvStore, lane: Lane, arena: HostArena, state: KeptState | HostState, used: float | None = None,
+               piece_bytes: int = PIECE_BYTES) -> Staged:
+    """Host copies of a device state (its shared pages' rows and its copies, copied out on the lane) or a host
+    state (its copies, not copied again: the host tier never changes them); `used` its last use, when not now."""
     if isinstance(state, HostState):
-        rows = {(i, name): t for i, name, t in state.rows}
-        fixed = {(i, name): t for i, name, t in state.fixed}
-    else:
-        specs = {(i, s.name): s for i, layer in enumerate(kv.layout.layers) for s in layer.rows}
-        rows = {}
-        for i, name, tail in state.tail:
-            parts = []
-            if state.pages and isinstance(kv, PagedStore):
-                index = torch.tensor(state.pages, dtype=torch.long, device=kv.device)
-                parts.append(kv.row_pages(i, name)[index].reshape(-1, *specs[i, name].shape))
-            parts.append(tail)
-            rows[i, name] = _host(torch.cat(parts)) if len(parts) > 1 else _host(tail)
-        fixed = {(i, name): _host(t) for i, name, t in state.fixed}
-    return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=rows, fixed=fixed, used=used,
-                  partition=state.partition)
+        return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=_by_name(state.rows),
+                      fixed=_by_name(state.fixed), used=used, partition=state.partition, landed=state.landed)
+    out = kept_out(kv, lane, arena, state, piece_bytes)
+    return Staged(tokens=state.tokens, cuts=state.cuts, why=state.why, rows=_by_name(out.rows),
+                  fixed=_by_name(out.fixed), used=used, partition=state.partition,
+                  landed=out.publish(kv, arena, None))
+
+
+def _by_name(copies: tuple[tuple[int, str, torch.Tensor], ...]) -> Copies:
+    return {(i, name): tensor for i, name, tensor in copies}

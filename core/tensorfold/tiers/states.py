@@ -48,7 +48,8 @@ class KeptState:
 @attrs.define(eq=False)
 class HostState:
     """A state at `at` held as host copies (tiers/host.py): `rows` every row state's entries [0, at), `fixed` every
-    fixed state; `partition` who may resume from it (tiers/policy.py)."""
+    fixed state; `partition` who may resume from it (tiers/policy.py); `landed` what a reader on the host waits for
+    (`settle`) while the copies into it may still run."""
 
     tokens: tuple[int, ...]
     at: int
@@ -59,6 +60,7 @@ class HostState:
     passed: bool = False
     hits: int = 0
     partition: str = ""
+    landed: object | None = attrs.field(default=None, repr=False)  # on CUDA: its copies in are done at this event
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -69,6 +71,11 @@ class HostState:
     def nbytes(self) -> int:
         """Bytes of its row and fixed copies."""
         return copies_bytes(self.rows, self.fixed)
+
+    def settle(self) -> None:
+        """Wait until its copies have landed, before the host reads them (the disk's I/O thread)."""
+        if self.landed is not None:
+            self.landed.synchronize()
 
 
 @attrs.define(eq=False)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from rows_cases import DAY, FACTS, Clock, files, image, open_store, tokens, write
 
-from tensorfold.rows.payoff import hash_rate, observed_rate, sequential_read_rate, serial_rate, should_read
+from tensorfold.rows.payoff import hash_rate, observed_rate, overlapped_rate, sequential_read_rate, should_read
 
 BIG = 1 << 40
 
@@ -131,9 +131,9 @@ def test_read_bandwidth_is_measured_on_the_store_and_leaves_nothing(tmp_path):
     assert rate < 2 * min(sequential_read_rate(tmp_path, 1 << 20), hash_rate(1 << 20))
 
 
-def test_rates_of_steps_in_series_and_a_rate_learned_from_resumes():
-    assert serial_rate(2e9, 2e9) == pytest.approx(1e9)
-    assert serial_rate(1e9, 1e12) == pytest.approx(1e9, rel=1e-2)
+def test_rates_of_steps_side_by_side_and_a_rate_learned_from_resumes():
+    assert overlapped_rate(2e9, 2e9) == 2e9
+    assert overlapped_rate(1e9, 1e12) == 1e9 and overlapped_rate(3e9, 1.5e9) == 1.5e9
     assert observed_rate(0.0, 10**9, 2.0) == pytest.approx(5e8)                 # no estimate: the measurement
     assert observed_rate(1.5e9, 10**9, 2.0) == pytest.approx(1e9)               # half the estimate, half seen
     assert observed_rate(1.5e9, 10**9, 2.0, weight=1.0) == pytest.approx(5e8)

@@ -26,7 +26,7 @@ def release_all(memory, *claims) -> None:
         memory.release(claim)
 
 
-@pytest.mark.parametrize("piece", [PIECE_BYTES, 40], ids=["2MiB", "40B"])
+@pytest.mark.parametrize("piece", [PIECE_BYTES, 40], ids=["64MiB", "40B"])
 @pytest.mark.parametrize("at", [8, 13, 16, 20], ids=lambda a: f"at{a}")
 @pytest.mark.parametrize("make", [paged, windowed], ids=["pages", "windows"])
 def test_device_to_host_and_back_is_byte_equal(make, at, piece):
@@ -204,11 +204,13 @@ def test_stats_and_describe():
     tiers.admitted(tiers.lookup(tuple(range(20)), (16, 20)), claim)
     stats = tiers.stats()
     assert [s.tier for s in stats] == ["device", "host"] and all(isinstance(s, TierStats) for s in stats)
-    assert stats[1] == TierStats(tier="host", states=1, bytes=tiers.host.state_bytes(16), budget=BIG, kept=1,
-                                 hits=1, misses=0, evicted=0, refused=0, cached_tokens=16)
-    assert (stats[0].kept, stats[0].evicted, stats[0].misses, stats[0].hits) == (1, 1, 1, 0)
+    # the host hit moved up to the device tier, which had room: it left the host (evicted there), kept on the device
+    assert stats[1] == TierStats(tier="host", states=0, bytes=0, budget=BIG, kept=1,
+                                 hits=1, misses=0, evicted=1, refused=0, cached_tokens=16)
+    assert (stats[0].kept, stats[0].evicted, stats[0].misses, stats[0].hits, stats[0].states) == (2, 1, 1, 0, 1)
     described = tiers.describe()
-    assert described["host_cache_states"] == 1 and described["prompt_cache_states"] == 0
+    assert described["host_cache_states"] == 0 and described["prompt_cache_states"] == 1
+    assert described["prompt_cache_promoted"] == 1 and described["host_restored_bytes"] == tiers.host.state_bytes(16)
     assert described["tiers"]["host"]["hits"] == 1 and described["host_cache_pinned"] is False
     release_all(memory, source, claim)
 
