@@ -79,6 +79,20 @@ def test_a_state_split_by_parts_gives_each_rank_its_channels_of_every_piece():
         conv.part(whole, 0, 8)
 
 
+def test_a_state_of_pieces_is_cut_piece_by_piece():
+    """A conv tail over [x | B | C] (8 + 2 + 2 channels): whole pieces must each divide, not just their sum."""
+    parallel = TensorParallel(divides={}, params=[],
+                              states=[StateSplit("conv", 0, kind="mamba", parts=(8, 2, 2))])
+    layout = Layout([LayerLayout("mamba", fixed=[FixedState("conv", (12, 3), "float32")])])
+    assert parallel.layout(layout, 2).layers[0].fixed[0].shape == (6, 3)
+    with pytest.raises(ValueError, match=r"state 'conv' of shape \(12, 3\) \(parts \[8, 2, 2\]\) does not split "
+                                         r"in 4 along dim 0"):
+        parallel.layout(layout, 4)                       # 12 divides by 4, the B and C pieces of 2 do not
+    wrong = TensorParallel(divides={}, params=[], states=[StateSplit("conv", 0, parts=(8, 2))])
+    with pytest.raises(ValueError, match=r"\(parts \[8, 2\]\) does not split in 2"):
+        wrong.layout(layout, 2)                          # the pieces must add up to the dim
+
+
 def test_shard_split_and_single_reduce():
     assert Shard(0, 2).split(4, "heads") == 2
     with pytest.raises(ValueError, match="does not divide KV heads 3"):
