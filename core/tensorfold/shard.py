@@ -57,11 +57,15 @@ class Split:
 @attrs.frozen
 class StateSplit:
     """A Layout state (row or fixed, by name; `kind` limits it to layers of that kind) held by head: each rank
-    holds 1/N of dim `dim` of its declared shape."""
+    holds 1/N of dim `dim` of its declared shape.
+
+    `parts` names the sizes of the pieces that dim concatenates (a conv tail over [q | k | v] channels): each
+    piece is cut 1/N on its own, as Split's `parts` cut the weights that fill it."""
 
     name: str
     dim: int
     kind: str | None = None
+    parts: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
 @attrs.frozen
@@ -110,11 +114,14 @@ class TensorParallel:
         rule = next((s for s in self.states if s.name == name and s.kind in (None, kind)), None)
         if rule is None or world == 1:
             return tuple(shape)
-        if not -len(shape) <= rule.dim < len(shape) or shape[rule.dim] % world:
-            raise ValueError(f"layer {index} ({kind}) state {name!r} of shape {tuple(shape)} does not split in "
-                             f"{world} along dim {rule.dim}")
+        inside = -len(shape) <= rule.dim < len(shape)
+        parts = rule.parts or ((shape[rule.dim],) if inside else ())
+        if not inside or sum(parts) != shape[rule.dim] or any(p % world for p in parts):
+            pieces = f" (parts {list(rule.parts)})" if rule.parts else ""
+            raise ValueError(f"layer {index} ({kind}) state {name!r} of shape {tuple(shape)}{pieces} does not split "
+                             f"in {world} along dim {rule.dim}")
         cut = list(shape)
-        cut[rule.dim] //= world
+        cut[rule.dim] = sum(p // world for p in parts)
         return tuple(cut)
 
 
