@@ -19,6 +19,8 @@ from tensorfold.engine.runner import Engine
 from tensorfold.engine.stats import EngineStats
 from tensorfold.engine.warmup import warm_forward
 from tensorfold.family import Declarations, Family, FamilyModel, PluginError
+from tensorfold.follow.rank import load_rank, rank_checkpoint, rank_device, rank_layout
+from tensorfold.follow.spawn import Ranks
 from tensorfold.kv import PagedStore, WindowStore
 from tensorfold.layout import Layout
 from tensorfold.memory import StreamMemory
@@ -37,6 +39,7 @@ from tensorfold.pool.slots import SlotPool
 from tensorfold.refusals import Refusal, Refused, raise_if_any
 from tensorfold.service import Service
 from tensorfold.settings import Settings
+from tensorfold.shard import Shard
 from tensorfold.startup_checks import DTYPES, all_refusals, layout_refusals, resolve_device
 from tensorfold.tiers.device import DeviceTier
 from tensorfold.tiers.disk import DISK_RESERVE_BYTES, DiskTier
@@ -110,16 +113,22 @@ class Loaded:
     dtype: torch.dtype
     service: Service
     engine: Engine
+    ranks: Ranks | None = None   # at --tensor-parallel-size above 1: the followers this process started
 
 
 def memory_plan(settings: Settings, layout: Layout, checkpoint: Checkpoint, device: torch.device,
                 dtype: torch.dtype) -> tuple[MemoryPlan | None, list[str]]:
-    """The stream memory plan for these settings: --kv-gib, or what the device leaves after weights."""
+    """The stream memory plan for these settings, of one rank (its Layout, its checkpoint's slices): --kv-gib,
+    or what the device leaves after weights (on the CPU every rank shares the RAM, so each plans for its share)."""
+    world = settings.tensor_parallel
     if settings.kv_gib is not None:
         budget = int(settings.kv_gib * GIB)
     else:
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        budget = default_budget(device.type, checkpoint.weight_bytes(dtype) if checkpoint.shards() else 0, free)
+        weights = checkpoint.weight_bytes(dtype) if checkpoint.shards() else 0
+        if device.type == "cuda":
+            budget = default_budget("cuda", weights, torch.cuda.mem_get_info(device)[0])
+        else:
+            budget = default_budget(device.type, weights * world) // world
     page_rows = settings.page_rows if settings.switch("TF_KV_PAGES") else settings.context
     return plan_memory(layout, settings.context, page_rows, budget, settings.parallel, settings.step_rows)
 
@@ -177,22 +186,51 @@ def decode_runner(model: FamilyModel, memory: StreamMemory, parallel: int, setti
 
 
 def boot(settings: Settings, family: Family) -> Loaded:
-    """Check everything, refuse with every reason at once, then load and start the engine."""
+    """Check everything, refuse with every reason at once, then load and start the engine; at TP above 1, start
+    the followers first (follow/spawn.py) and stop them again when anything after fails."""
     checkpoint = checkpoint_of(settings, family)
     raise_if_any(all_refusals(settings, family, checkpoint))
-    device = resolve_device(settings.device)
+    world = settings.tensor_parallel
+    device = rank_device(resolve_device(settings.device), 0)
     dtype = resolve_dtype(settings.dtype, device)
     declarations = family.declare(checkpoint.config, dtype)
-    plan, refusals = memory_plan(settings, declarations.layout, checkpoint, device, dtype)
-    raise_if_any([Refusal("core", m) for m in refusals + layout_refusals(settings, declarations.layout)])
+    layout = declarations.layout if world == 1 else rank_layout(family, checkpoint, dtype, world)
+    plan, refusals = memory_plan(settings, layout, rank_checkpoint(family, checkpoint, Shard(0, world)), device,
+                                 dtype)
+    raise_if_any([Refusal("core", m) for m in refusals + layout_refusals(settings, layout)])
     if not settings.learn and settings.learn_flags_given():
         log.warning("%s given without --learn-conversations: nothing is kept on disk",
                     ", ".join(settings.learn_flags_given()))
-    model = family.load(checkpoint, dtype, device)
+    if world == 1:
+        return assemble(settings, family, checkpoint, declarations, layout, plan, device, dtype, None)
+    ranks = Ranks(world, family.name, checkpoint.directory, dtype, device, settings.tp_timeout_s)
+    try:
+        return assemble(settings, family, checkpoint, declarations, layout, plan, device, dtype, ranks)
+    except BaseException:
+        ranks.close(failure="startup failed")
+        raise
+
+
+def assemble(settings: Settings, family: Family, checkpoint: Checkpoint, declarations: Declarations,
+             layout: Layout, plan: MemoryPlan, device: torch.device, dtype: torch.dtype,
+             ranks: Ranks | None) -> Loaded:
+    """Load this rank's model (with `ranks`: joined with the followers, then waited for), build memory, tiers,
+    engine and service."""
+    if ranks is None:
+        model = family.load(checkpoint, dtype, device)
+    else:
+        model, _ = load_rank(family, checkpoint, dtype, device, ranks.join().shard)
+        ranks.wait_ready()
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation, settings.chat_template)
-    memory = build_memory(plan, declarations.layout, settings, device)
+    memory = build_memory(plan, layout, settings, device)
     disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device) if settings.learn else None
-    model = decode_runner(model, memory, plan.parallel, settings)
+    if ranks is None:
+        model = decode_runner(model, memory, plan.parallel, settings)
+    else:
+        model = ranks.lead(model, memory.kv)
+        if device.type == "cuda":
+            log.info("decode steps run eager at --tensor-parallel-size %d: no CUDA graphs, no launch ahead (the "
+                     "Leader offers no tensor-only decode)", ranks.world)
     if device.type == "cuda":
         warm_forward(model, memory, settings.context)
     host_bytes = host_cache_bytes(settings)
@@ -210,19 +248,24 @@ def boot(settings: Settings, family: Family) -> Loaded:
                       plan={**plan.describe(), "pages_on": settings.switch("TF_KV_PAGES"),
                             "poison": settings.switch("TF_KV_POISON"),
                             "prompt_cache_gib": settings.prompt_cache_gib, "host_cache_bytes": host_bytes,
-                            "host_cache_pinned": host is not None and host.pin, **learn_plan(settings, disk)},
+                            "host_cache_pinned": host is not None and host.pin, **learn_plan(settings, disk),
+                            "tensor_parallel": settings.tensor_parallel,
+                            **({"ranks": ranks.describe()} if ranks is not None else {})},
                       chat_format=family.chat_format(checkpoint.config),
                       grammars=Grammars(tokenizer.tokenizer, model.vocab_size, tokenizer.eos_ids)
                       if tokenizer.eos_ids else None)
-    log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)", family.name,
+    log.info("family %s, %s on %s, %s; %d streams of %d tokens, KV %.1f MiB (%s)%s", family.name,
              checkpoint.directory, device, str(dtype).removeprefix("torch."), plan.parallel, settings.context,
              memory.kv.nbytes / 2**20, f"{plan.pages} pages of {plan.page_rows} rows"
-             if settings.switch("TF_KV_PAGES") else "one window per stream")
+             if settings.switch("TF_KV_PAGES") else "one window per stream",
+             f"; rank 0 of {ranks.world}, every number one rank's" if ranks is not None else "")
     log.info("kept prompt states: %s", tiers_line(settings, host_bytes, host is not None and host.pin))
     if disk is not None:
         log.info("kept prompt states on disk: %s", disk_line(disk))
+    if ranks is not None:
+        ranks.watch(engine.die)
     return Loaded(settings=settings, family=family, checkpoint=checkpoint, declarations=declarations,
-                  device=device, dtype=dtype, service=service, engine=engine)
+                  device=device, dtype=dtype, service=service, engine=engine, ranks=ranks)
 
 
 def build_disk(settings: Settings, checkpoint: Checkpoint, declarations: Declarations, model: FamilyModel,

@@ -98,10 +98,14 @@ class Checkpoint:
             with safe_open(shard, framework="pt") as handle:
                 for name in handle.keys():
                     piece = handle.get_slice(name)
-                    count = math.prod(piece.get_shape())
+                    count = self.elements(name, tuple(piece.get_shape()))
                     stored = piece.get_dtype()
                     total += count * (dtype.itemsize if stored in FLOATS else STORED_SIZES.get(stored, 1))
         return total
+
+    def elements(self, name: str, shape: tuple[int, ...]) -> int:
+        """How many of a tensor's elements this reader yields (a rank's reader yields its slice)."""
+        return math.prod(shape)
 
     def _index(self) -> dict[str, str]:
         index = self.directory / INDEX

@@ -14,6 +14,7 @@ import typer
 from tensorfold import learned_cli
 from tensorfold.checkpoint import CheckpointError
 from tensorfold.family import PluginError
+from tensorfold.follow.spawn import FollowerFailed
 from tensorfold.refusals import Refused
 from tensorfold.settings import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -107,8 +108,9 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed the random see
                                              "server run draws the same sequence of them (default: from the OS).")]
 MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", hidden=True, help="vLLM's name: --context.")]
 MaxNumSeqsOpt = Annotated[int | None, typer.Option("--max-num-seqs", hidden=True, help="vLLM's name: --parallel.")]
-TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="Ranks of tensor parallelism (rank 0 "
-                                    "drives, the others follow); above 1 is refused until serve starts followers.")]
+TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="Ranks of tensor parallelism: this "
+                                    "process is rank 0 (HTTP, scheduler) and starts ranks 1..N-1 as child "
+                                    "processes that follow its steps, one device each.")]
 TpTimeoutOpt = Annotated[float, typer.Option("--tp-timeout", help="Seconds a tensor-parallel rank may be silent "
                                              "before it is lost and the server stops.")]
 
@@ -234,9 +236,11 @@ def serve(
                                      max_connections=max_connections, seed=seed,
                                      tensor_parallel=tensor_parallel_size, tp_timeout_s=tp_timeout)
         from tensorfold.boot import boot
+        from tensorfold.launch import stop_on_signals
 
+        stop_on_signals()   # a stop asked for while loading still stops the followers started
         loaded = boot(settings, chosen)
-    except (PluginError, Refused, SwitchError, CheckpointError, OSError, ValueError) as err:
+    except (PluginError, Refused, SwitchError, CheckpointError, OSError, ValueError, FollowerFailed) as err:
         _fail(err)
     from tensorfold.launch import run_server
 
@@ -290,17 +294,20 @@ def explain(
     parallel: ParallelOpt = "auto",
     page_rows: PageRowsOpt = DEFAULT_PAGE_ROWS,
     kv_gib: KvGibOpt = None,
+    prompt_cache_gib: PromptCacheOpt = DEFAULT_PROMPT_CACHE_GIB,
     host_cache_gib: HostCacheOpt = None,
+    tensor_parallel_size: TpOpt = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Print the memory plan for a checkpoint (MODEL, or --model) without serving it."""
+    """Print the memory plan for a checkpoint (MODEL, or --model) without serving it; with --tp N, one rank's."""
     from tensorfold.explain import plan_text, serving_plan
 
     model = _model(model_arg, model)
     try:
         settings, chosen = _settings(family, model=model, context=context, dtype=dtype, device=device,
                                      parallel=_parallel(parallel), page_rows=page_rows, kv_gib=kv_gib,
-                                     host_cache_gib=host_cache_gib)
+                                     prompt_cache_gib=prompt_cache_gib, host_cache_gib=host_cache_gib,
+                                     tensor_parallel=tensor_parallel_size)
         plan = serving_plan(settings, chosen)
     except (PluginError, Refused, SwitchError, CheckpointError, OSError, ValueError) as err:
         _fail(err)

@@ -3,8 +3,11 @@ the process, so that no socket stays open in front of a dead engine. While it se
 burst is handed back to the system (heap_trim.py).
 
     exit status  0 after SIGINT or SIGTERM (a clean stop); ENGINE_DEAD_STATUS when the engine stopped for good
-                 (Engine.failure, engine/runner.py): /health answers 503 with the reason for DEAD_GRACE_S, then the
-                 HTTP server shuts down and the process exits, for a supervisor to restart it
+                 (Engine.failure, engine/runner.py; a tensor-parallel follower gone is one): /health answers 503
+                 with the reason for DEAD_GRACE_S, then the HTTP server shuts down and the process exits, for a
+                 supervisor to restart it
+    followers    at --tensor-parallel-size above 1, stopped after the engine (follow/spawn.py Ranks.close): told to
+                 stop after a clean run, terminated after the engine's death; none outlives the process
 """
 
 from __future__ import annotations
@@ -38,8 +41,7 @@ def run_server(loaded: Loaded, log_level: str = "info") -> None:
 
     settings = loaded.settings
     app = build_app(loaded.service, FrontDoor.from_settings(settings))
-    signal.signal(signal.SIGTERM, _terminated)
-    signal.signal(signal.SIGINT, _terminated)
+    stop_on_signals()
     loaded.engine.start()
     trimmer = start_heap_trimmer()
     log.info("serving %s on http://%s:%d/v1", loaded.service.model_name, settings.host, settings.port)
@@ -50,8 +52,11 @@ def run_server(loaded: Loaded, log_level: str = "info") -> None:
     try:
         server.run()
     finally:
-        log.info("stopping: the engine%s", ", then the disk tier's writes" if loaded.engine.disk is not None else "")
+        log.info("stopping: the engine%s%s", ", then the disk tier's writes" if loaded.engine.disk is not None else "",
+                 ", then the tensor-parallel followers" if loaded.ranks is not None else "")
         loaded.engine.close()
+        if loaded.ranks is not None:
+            loaded.ranks.close(loaded.engine.failure)
         if trimmer is not None:
             trimmer.close()
         log.info("stopped")
@@ -60,6 +65,13 @@ def run_server(loaded: Loaded, log_level: str = "info") -> None:
         log.critical("exiting with status %d for a supervisor to restart the server: the engine stopped: %s",
                      ENGINE_DEAD_STATUS, failure)
         raise SystemExit(ENGINE_DEAD_STATUS)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT leave through `finally` blocks (exit 0): called before startup too, so a stop asked for
+    while loading still stops the followers already started (boot.py)."""
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGINT, _terminated)
 
 
 def _watch(engine: Engine, server: uvicorn.Server) -> None:

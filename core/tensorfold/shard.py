@@ -35,11 +35,14 @@ class Split:
     """How checkpoint tensors whose name matches `pattern` (fnmatch, `*` crosses dots) are cut across ranks.
 
     `parts` names the sizes of a fused tensor's pieces along the cut dim (q, k, v stacked, say): each piece is cut
-    on its own and the rank's slices are joined again, so every rank gets its heads of every piece."""
+    on its own and the rank's slices are joined again, so every rank gets its heads of every piece. `axis` moves
+    the cut off a Linear's own dims for a stacked tensor (experts fused as [N, 2F, E]: column along 1, row along
+    -1); a 1-D tensor under a row rule stays whole either way."""
 
     pattern: str
     kind: str
     parts: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    axis: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -47,21 +50,40 @@ class Split:
 
     def dim(self, tensor: torch.Tensor) -> int | None:
         """The dim this rule cuts `tensor` along, None when it is replicated (a row-parallel bias is whole)."""
-        if self.kind == "column":
-            return 0
-        if self.kind == "row" and tensor.dim() >= 2:
-            return 1
-        return None
+        if self.kind == "replicated" or (self.kind == "row" and tensor.dim() < 2):
+            return None
+        if self.axis is not None:
+            return self.axis % tensor.dim()
+        return 0 if self.kind == "column" else 1
 
 
 @attrs.frozen
 class StateSplit:
     """A Layout state (row or fixed, by name; `kind` limits it to layers of that kind) held by head: each rank
-    holds 1/N of dim `dim` of its declared shape."""
+    holds 1/N of dim `dim` of its declared shape.
+
+    `parts`, as in Split, names the pieces lying side by side along `dim` (a conv tail's q, k and v channels): each
+    piece is cut on its own, so each rank holds its heads of every piece, which `part` gives from a whole state."""
 
     name: str
     dim: int
     kind: str | None = None
+    parts: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    def pieces(self, size: int, world: int) -> tuple[int, ...] | None:
+        """The pieces of a dim of `size`, None when they do not add up to it or one does not split in `world`."""
+        parts = self.parts or (size,)
+        return None if sum(parts) != size or any(p % world for p in parts) else parts
+
+    def part(self, state: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """Rank `rank`'s slice of a whole state (one stream's, of its declared shape); ValueError when it does not
+        split."""
+        parts = self.pieces(state.shape[self.dim], world)
+        if parts is None:
+            raise ValueError(f"state {self.name!r} of shape {tuple(state.shape)} (parts {list(self.parts)}) does "
+                             f"not split in {world} along dim {self.dim}")
+        return torch.cat([piece.chunk(world, self.dim)[rank] for piece in state.split(list(parts), self.dim)],
+                         self.dim)
 
 
 @attrs.frozen
@@ -110,9 +132,10 @@ class TensorParallel:
         rule = next((s for s in self.states if s.name == name and s.kind in (None, kind)), None)
         if rule is None or world == 1:
             return tuple(shape)
-        if not -len(shape) <= rule.dim < len(shape) or shape[rule.dim] % world:
-            raise ValueError(f"layer {index} ({kind}) state {name!r} of shape {tuple(shape)} does not split in "
-                             f"{world} along dim {rule.dim}")
+        if not -len(shape) <= rule.dim < len(shape) or rule.pieces(shape[rule.dim], world) is None:
+            pieces = f" (parts {list(rule.parts)})" if rule.parts else ""
+            raise ValueError(f"layer {index} ({kind}) state {name!r} of shape {tuple(shape)}{pieces} does not split "
+                             f"in {world} along dim {rule.dim}")
         cut = list(shape)
         cut[rule.dim] //= world
         return tuple(cut)

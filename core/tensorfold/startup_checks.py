@@ -68,7 +68,8 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
 
 def tp_refusals(settings: Settings) -> list[str]:
     """What tensor parallelism cannot do yet, and its flags' values: kept states are not sent to followers in this
-    slice of the follow protocol (docs/architecture.md, "Tensor parallelism"), so every tier must be off."""
+    slice of the follow protocol (docs/architecture.md, "Tensor parallelism"), so every tier must be off; on CUDA
+    each rank needs a device of its own."""
     world = settings.tensor_parallel
     found = []
     if world < 1:
@@ -83,9 +84,23 @@ def tp_refusals(settings: Settings) -> list[str]:
         if tiers:
             found.append(f"--tensor-parallel-size {world} keeps no prompt states yet: turn off {', '.join(tiers)} "
                          "(--prompt-cache-gib 0 --host-cache-gib 0, no --learn-conversations)")
-        found.append(f"--tensor-parallel-size {world}: `tensorfold serve` does not start followers yet; the follow "
-                     "protocol runs through tensorfold.follow (docs/architecture.md, \"Tensor parallelism\")")
+        found += _tp_device_refusals(settings.device, world)
     return found
+
+
+def _tp_device_refusals(given: str, world: int) -> list[str]:
+    """On CUDA, ranks 0..N-1 run on N devices counted from the one given (`cuda` is cuda:0)."""
+    try:
+        device = resolve_device(given)
+    except RuntimeError:
+        return []                       # core_refusals names the device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return []
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + world > count:
+        return [f"--tensor-parallel-size {world} on --device {given} needs cuda:{first} to cuda:{first + world - 1} "
+                f"(one device per rank); torch sees {count} CUDA device{'s' if count != 1 else ''}"]
+    return []
 
 
 def server_refusals(settings: Settings) -> list[str]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
+from tensorfold.shard import SINGLE, Shard
 from tensorfold_glm.config import LINEAR, SPARSE, GlmConfig
 from tensorfold_glm.hc import HcWeights
 from tensorfold_glm.indexer import IndexerWeights
@@ -26,6 +27,7 @@ from tensorfold_glm.mla import MlaWeights
 from tensorfold_glm.mlp import MlpWeights, MoeWeights
 from tensorfold_glm.model import GlmModel, LayerWeights, Weights
 from tensorfold_glm.names import TEXT, canonical, expected_shapes, is_ignored
+from tensorfold_glm.parallel import check_form, on_rank
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +86,13 @@ def target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith(KEPT_FLOAT32) else dtype
 
 
-def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> GlmModel:
-    """Read every weight once, shard by shard, into its dtype on `device`, and build the model."""
-    config = GlmConfig.from_dict(checkpoint.config)
+def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True,
+         shard: Shard = SINGLE) -> GlmModel:
+    """Read every weight once, shard by shard, into its dtype on `device`, and build the model (this rank's part
+    of it: the checkpoint a rank reads yields its slices, follow/sharded.py; parallel.py names the cuts)."""
+    config = on_rank(GlmConfig.from_dict(checkpoint.config), shard)
     names = checkpoint.names()
+    check_form(names, shard)
     skips = check_names(names, config)
     if skips:
         log.info("skipped %d tensors the text model does not use (vision tower model.visual.*, MTP layers, "
@@ -95,7 +100,7 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
     shapes = form_shapes(config, names)
     found = {known: tensor.to(device=device, dtype=target_dtype(known, dtype)).contiguous()
              for known, tensor in expected_tensors(checkpoint, shapes, key, progress)}
-    return GlmModel(config, build_weights(config, found))
+    return GlmModel(config, build_weights(config, found), shard)
 
 
 def build_weights(config: GlmConfig, found: dict[str, torch.Tensor]) -> Weights:

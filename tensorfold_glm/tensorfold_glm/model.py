@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
 from tensorfold.plan import StepPlan, StreamStep, share_logits
+from tensorfold.shard import SINGLE, Shard
 from tensorfold_glm.config import CONV, RECURRENT, GlmConfig
 from tensorfold_glm.hc import HcWeights, expand, hc_head, hc_post, hc_pre, rms_norm
 from tensorfold_glm.indexer import IndexerDims
@@ -55,8 +56,9 @@ class Weights:
 class GlmModel:
     """A loaded GLM-5.3-Flash checkpoint; `forward(plan, kv)` is the FamilyModel entry the engine calls."""
 
-    def __init__(self, config: GlmConfig, weights: Weights) -> None:
-        self.config = config
+    def __init__(self, config: GlmConfig, weights: Weights, shard: Shard = SINGLE) -> None:
+        self.config = config                    # this rank's: its KDA and MLA heads, its MLP and expert columns
+        self.shard = shard
         self.weights = weights
         self.vocab_size = config.vocab_size
         self.dtype = weights.embed.dtype
@@ -107,7 +109,7 @@ class GlmModel:
             else:
                 out, selection = mla_attention(layer.mixer, self.mla_dims, h, step.start, kv, index, step.slot,
                                                selection_in=selection)
-            streams = hc_post(out, streams, post, comb)
+            streams = hc_post(self.shard.reduce(out), streams, post, comb)     # o_proj row-parallel
             x, post, comb = hc_pre(layer.ffn_hc, streams, c.rms_norm_eps, c.hc_sinkhorn_iters, c.hc_eps)
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             if isinstance(layer.ffn, MoeWeights):
@@ -115,5 +117,5 @@ class GlmModel:
                           c.topk_group, c.swiglu_limit)
             else:
                 out = swiglu(layer.ffn, h, c.swiglu_limit)
-            streams = hc_post(out, streams, post, comb)
+            streams = hc_post(self.shard.reduce(out), streams, post, comb)     # down projections row-parallel
         return hc_head(streams)                                                           # [T, E]

@@ -19,6 +19,7 @@ from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
+from tensorfold.shard import Shard, TensorParallel
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_glm.config import (
     CONV,
@@ -36,6 +37,7 @@ from tensorfold_glm.config import (
     unsupported,
 )
 from tensorfold_glm.names import expected_shapes
+from tensorfold_glm.parallel import tensor_parallel
 
 if TYPE_CHECKING:
     from tensorfold.checkpoint import Checkpoint
@@ -117,10 +119,15 @@ def family_request_starts_switch() -> str:
 # ---------------------------------------------------------------- checkpoints and the model
 
 @hookimpl
-def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> FamilyModel:
+def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, shard: Shard) -> FamilyModel:
     from tensorfold_glm import load as loader
 
-    return loader.load(checkpoint, dtype, device)
+    return loader.load(checkpoint, dtype, device, shard=shard)
+
+
+@hookimpl
+def family_tensor_parallel(config: Mapping[str, Any]) -> TensorParallel:
+    return tensor_parallel(GlmConfig.from_dict(config))
 
 
 @hookimpl

@@ -23,6 +23,8 @@ from typing import Any
 
 import attrs
 
+from tensorfold.shard import Shard
+
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 KINDS = (MAMBA, ATTENTION, MLP, MOE)
 LEGACY = {"mamba": MAMBA, "attention": ATTENTION}
@@ -141,6 +143,17 @@ class NemotronConfig:
     def expert_width(self) -> int:
         """What the routed experts read and write: the latent when there is one, else the hidden state."""
         return self.latent_size or self.hidden_size
+
+    def on_rank(self, shard: Shard) -> NemotronConfig:
+        """This rank's config: its share of the attention and KV heads, Mamba2 heads and B/C groups, MLP, expert
+        and shared-expert columns (parallel.py); the experts, router, latent and widths stay whole."""
+        if shard.world == 1:
+            return self
+        cuts = {"heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "mamba_heads": "mamba_num_heads",
+                "n_groups": "n_groups", "intermediate_size": "intermediate_size",
+                "moe_intermediate_size": "moe_intermediate_size",
+                "shared_intermediate_size": "moe_shared_expert_intermediate_size"}
+        return attrs.evolve(self, **{field: shard.split(getattr(self, field), name) for field, name in cuts.items()})
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> NemotronConfig:

@@ -12,6 +12,8 @@
                             decode over keys [0, position]
                 MLP / MoE:  mlp.py's own functions (the router has no host sync; the experts run through
                             kernels.moe.routed_experts, whose Triton path has none)
+                TP=N:       each mixer's output is this rank's part, summed over ranks by shard.reduce as in
+                            model.py (every kernel above runs on the rank's heads, groups and columns)
     logits = lm_head(rms_norm(x))                                                  [B, V] float32
 
 Every op is model.py's one-token path on B rows instead of one, except the two that take slots instead of one
@@ -71,6 +73,7 @@ def decode(model: NemotronModel, batch: DecodeBatch, kv: KvStore) -> torch.Tenso
             out = moe(mixer, c, h)
         else:
             out = mlp(mixer, h)
+        out = model.shard.reduce(out)                                                  # the ranks' parts (TP=N)
         following = w.layers[index + 1].norm if index + 1 < len(w.layers) else w.norm
         h, x = fused_norm(out, following, c.eps, residual=x)                          # x + out, normalised
     return F.linear(h, w.lm_head).float()

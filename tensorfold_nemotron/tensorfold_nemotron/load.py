@@ -5,7 +5,8 @@ The published checkpoints, and HF's `save_pretrained`, name the model `backbone.
 `model.*` with the experts stacked (`mixer.experts.up_proj` [NE, FE, W], `mixer.experts.down_proj` [NE, W, FE]).
 Both spellings and both expert forms are accepted (one expert form for the whole checkpoint). The multi-token
 prediction head (`mtp.*`) is skipped, as HF skips it. `lm_head.weight` is always read: HF's NemotronHForCausalLM
-ties nothing, whatever `tie_word_embeddings` says. This file is the only place that knows these names.
+ties nothing, whatever `tie_word_embeddings` says. This file is the only place that knows these names (parallel.py
+matches them by pattern to cut them across ranks).
 
 The router (`gate.weight`, `gate.e_score_correction_bias`) stays float32 in every model dtype, as HF keeps it.
 """
@@ -19,11 +20,13 @@ from collections.abc import Callable
 import torch
 
 from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
+from tensorfold.shard import SINGLE, Shard
 from tensorfold_nemotron.attention import AttentionWeights
 from tensorfold_nemotron.config import ATTENTION, MAMBA, MOE, NemotronConfig
 from tensorfold_nemotron.mamba import MambaWeights
 from tensorfold_nemotron.mlp import MlpWeights, MoeWeights
 from tensorfold_nemotron.model import LayerWeights, Mixer, NemotronModel, Weights
+from tensorfold_nemotron.parallel import STACKED
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +137,43 @@ def check_names(names: list[str], config: NemotronConfig, fused: bool = False) -
                               model=f"nemotron_h {config.schedule}", explain_missing=expert_form)
 
 
-def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> NemotronModel:
+def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True,
+         shard: Shard = SINGLE) -> NemotronModel:
     """Read every weight once, shard by shard, into `dtype` on `device` (the router in float32), and build the
-    model."""
-    config = NemotronConfig.from_dict(checkpoint.config)
+    model (this rank's part of it: the checkpoint a rank reads yields its slices, parallel.py)."""
+    config = NemotronConfig.from_dict(checkpoint.config).on_rank(shard)
     names = checkpoint.names()
     fused = fused_experts(names, config)
     skips = check_names(names, config, fused)
     if skips:
         log.info("skipped %d tensors the served model does not use (the MTP head mtp.*)", skips)
-    found = {key: tensor.to(device=device, dtype=torch.float32 if FLOAT32.search(key) else dtype).contiguous()
-             for key, tensor in expected_tensors(checkpoint, expected_shapes(config, fused), canonical, progress)}
-    return NemotronModel(config, build_weights(config, found))
+    shapes = expected_shapes(config, fused)
+    if fused:
+        shapes.update(stacked_whole(shapes, shard))
+    found = {key: own_columns(key, tensor, shard).to(device=device,
+                                                     dtype=torch.float32 if FLOAT32.search(key) else dtype).contiguous()
+             for key, tensor in expected_tensors(checkpoint, shapes, canonical, progress)}
+    return NemotronModel(config, build_weights(config, found), shard)
+
+
+def stacked_whole(shapes: dict[str, tuple[int, ...]], shard: Shard) -> dict[str, tuple[int, ...]]:
+    """The stacked experts' shapes as a rank reads them: whole (parallel.py replicates them; `own_columns` cuts)."""
+    whole = {}
+    for key, shape in shapes.items():
+        found = FUSED.search(key)
+        if found:
+            dims = list(shape)
+            dims[STACKED[found.group(1)]] *= shard.world
+            whole[key] = tuple(dims)
+    return whole
+
+
+def own_columns(key: str, tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A stacked expert tensor cut to this rank's intermediate columns (the rank's own tensors pass unchanged)."""
+    found = FUSED.search(key)
+    if found is None or shard.world == 1:
+        return tensor
+    return tensor.chunk(shard.world, STACKED[found.group(1)])[shard.rank]
 
 
 def build_weights(config: NemotronConfig, found: dict[str, torch.Tensor]) -> Weights:

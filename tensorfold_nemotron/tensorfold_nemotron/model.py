@@ -4,6 +4,9 @@
     per layer:  x = x + mixer(rms_norm(x))      by layers_block_type: mamba.py, attention.py, mlp.py
     logits = lm_head(rms_norm(x))               every rms_norm plain w·x̂ (norms.py)
 
+At TP=N each rank holds its heads, groups and columns of every mixer (parallel.py), whose output is then a partial
+sum: the ranks' parts are added in rank order (shard.reduce) before the residual add, once per layer.
+
 Every stream of a StepPlan runs alone through every layer, with its own slot, so a stream's arithmetic never
 depends on the others in the step. Everything a later step needs is in the KvStore: attention keys/values as
 rows, the Mamba2 conv tail and SSM state as fixed states; MLP and MoE layers keep nothing.
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep, share_logits
+from tensorfold.shard import SINGLE, Shard
 from tensorfold_nemotron.attention import AttentionWeights, attention
 from tensorfold_nemotron.config import NemotronConfig
 from tensorfold_nemotron.decode import fused_norm
@@ -53,8 +57,9 @@ class Weights:
 class NemotronModel:
     """A loaded Nemotron-H checkpoint; `forward(plan, kv)` is the FamilyModel entry the engine calls."""
 
-    def __init__(self, config: NemotronConfig, weights: Weights) -> None:
-        self.config = config
+    def __init__(self, config: NemotronConfig, weights: Weights, shard: Shard = SINGLE) -> None:
+        self.config = config                        # this rank's: its heads, groups and columns (config.on_rank)
+        self.shard = shard
         self.weights = weights
         self.vocab_size = config.vocab_size
         self.dtype = weights.embed.dtype
@@ -110,6 +115,7 @@ class NemotronModel:
                 out = moe(mixer, c, h, kind="prefill" if len(step.tokens) > 1 else "decode")
             else:
                 out = mlp(mixer, h)
+            out = self.shard.reduce(out)                 # every mixer ends row-parallel: the ranks' parts, summed
             if index + 1 < len(layers):
                 h, x = fused_norm(out, layers[index + 1].norm, c.eps, residual=x)      # x + out, normalised
             else:

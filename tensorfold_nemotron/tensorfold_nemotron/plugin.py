@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tensorfold.checkpoint import Checkpoint
     from tensorfold.family import FamilyModel
     from tensorfold.settings import Settings
+    from tensorfold.shard import Shard, TensorParallel
 
 IMAGE_FORMAT = "nemotron_h-hybrid"
 IMAGE_VERSION = 1          # bump when the meaning of a kept state changes (e.g. the SSM state's layout)
@@ -90,10 +91,17 @@ def family_request_starts_switch() -> str:
 # ---------------------------------------------------------------- checkpoints and the model
 
 @hookimpl
-def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> FamilyModel:
+def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, shard: Shard) -> FamilyModel:
     from tensorfold_nemotron import load
 
-    return load.load(checkpoint, dtype, device)
+    return load.load(checkpoint, dtype, device, shard=shard)
+
+
+@hookimpl
+def family_tensor_parallel(config: Mapping[str, Any]) -> TensorParallel:
+    from tensorfold_nemotron.parallel import tensor_parallel
+
+    return tensor_parallel(NemotronConfig.from_dict(config))
 
 
 @hookimpl

@@ -121,11 +121,12 @@ def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
             for slot in fresh:
                 kv.fixed(index, CONV, slot).zero_()
                 kv.fixed(index, RECURRENT, slot).zero_()
-            x = x + gdn(layer.mixer, c, h, rows, index, kv)
+            mixed = gdn(layer.mixer, c, h, rows, index, kv)
         else:
-            x = x + attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
+            mixed = attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
+        x = x + model.shard.reduce(mixed)                                              # row-parallel: summed
         h = rms_norm(x, layer.post_norm, c.rms_norm_eps, zero_centred=True)
-        x = x + decode.ffn(layer.ffn, h)
+        x = x + model.shard.reduce(decode.ffn(layer.ffn, h))
     last = x[rows.sampled_rows]
     logits = F.linear(rms_norm(last, w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
     if rows.extra_rows is None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from tensorfold.shard import Shard
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -24,6 +26,17 @@ MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 CONTAINER_TYPES = ("qwen3_5", "qwen3_5_moe")
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 SERVED_DTYPES = ("auto", "float32", "bfloat16")
+
+# QwenConfig fields tensor parallelism splits, each with what it counts (config.json names, for refusals).
+RANK_SPLIT = {
+    "heads": "attention heads (num_attention_heads)",
+    "kv_heads": "KV heads (num_key_value_heads)",
+    "k_heads": "GDN key heads (linear_num_key_heads)",
+    "v_heads": "GDN value heads (linear_num_value_heads)",
+    "intermediate_size": "MLP columns (intermediate_size)",
+    "moe_intermediate_size": "experts' intermediate columns (moe_intermediate_size)",
+    "shared_intermediate_size": "shared expert's intermediate columns (shared_expert_intermediate_size)",
+}
 
 
 def text_part(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -107,6 +120,18 @@ class QwenConfig:
     def schedule(self) -> str:
         """The layer schedule in one word: G for a Gated DeltaNet layer, A for an attention layer."""
         return "".join("A" if kind == FULL else "G" for kind in self.layer_types)
+
+    def on_rank(self, shard: Shard) -> QwenConfig:
+        """This rank's config (parallel.py): its share of the attention heads and KV heads, of the GDN key and value
+        heads (so of the conv channels), and of the MLP's, each expert's and the shared expert's columns."""
+        if shard.world == 1:
+            return self
+        return attrs.evolve(self, **{field: shard.split(count, what) for field, what, count in self.rank_counts()})
+
+    def rank_counts(self) -> list[tuple[str, str, int]]:
+        """(field, what it counts, count) for every count tensor parallelism splits (a dense model has no experts'
+        columns, a MoE no dense MLP columns: those are left out)."""
+        return [(field, what, getattr(self, field)) for field, what in RANK_SPLIT.items() if getattr(self, field)]
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> QwenConfig:

@@ -50,8 +50,8 @@ def decode(model, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
         else:
             mixed = attention(layer.mixer, c, h, batch.positions, batch.tables, dest, lengths, index, kv,
                               model.inv_freq)
-        h, x = rms_norm(mixed, layer.post_norm, c.rms_norm_eps, zero_centred=True, residual=x)
-        out = ffn(layer.ffn, h)
+        h, x = rms_norm(model.shard.reduce(mixed), layer.post_norm, c.rms_norm_eps, zero_centred=True, residual=x)
+        out = model.shard.reduce(ffn(layer.ffn, h))
         following = w.layers[index + 1].input_norm if index + 1 < len(w.layers) else w.norm
         h, x = rms_norm(out, following, c.rms_norm_eps, zero_centred=True, residual=x)
     return F.linear(h, w.lm_head).float()

@@ -19,6 +19,7 @@ import re
 import torch
 
 from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
+from tensorfold.shard import SINGLE, Shard
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.config import FULL, QwenConfig
 from tensorfold_qwen.gdn import GdnWeights
@@ -138,9 +139,11 @@ def check_names(names: list[str], config: QwenConfig, fused: bool = False) -> in
                               model=config.model_type, explain_missing=expert_form)
 
 
-def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True) -> QwenModel:
-    """Read every weight once, shard by shard, into `dtype` on `device`, and build the model."""
-    config = QwenConfig.from_dict(checkpoint.config)
+def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = True,
+         shard: Shard = SINGLE) -> QwenModel:
+    """Read every weight once, shard by shard, into `dtype` on `device`, and build the model (this rank's part of
+    it with a shard of world N: the checkpoint then yields the rank's slices, cut as parallel.py declares)."""
+    config = QwenConfig.from_dict(checkpoint.config).on_rank(shard)
     names = checkpoint.names()
     fused = fused_experts(names, config)
     skips = check_names(names, config, fused)
@@ -150,7 +153,7 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
     shapes = expected_shapes(config, fused)
     found = {key: tensor.to(device=device, dtype=dtype).contiguous()           # no copy when it already fits
              for key, tensor in expected_tensors(checkpoint, shapes, canonical, progress)}
-    return QwenModel(config, build_weights(config, found))
+    return QwenModel(config, build_weights(config, found), shard)
 
 
 def build_weights(config: QwenConfig, found: dict[str, torch.Tensor]) -> Weights:

@@ -7,7 +7,9 @@
 
 Every stream of a StepPlan runs alone through every layer, with its own slot, so a stream's arithmetic never
 depends on the others in the step. Everything a later step needs is in the KvStore: attention keys/values as
-rows, the GDN conv tail and recurrent state as fixed states.
+rows, the GDN conv tail and recurrent state as fixed states. At tensor-parallel size N the model is one rank's
+part (parallel.py): each mixer's and feed-forward's output is a partial sum, added over the ranks in rank order
+(`shard.reduce`), so every rank holds the same bits of x.
 
 Shapes in comments: T rows of this step, E hidden size, V vocab.
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep, share_logits
+from tensorfold.shard import SINGLE, Shard
 from tensorfold_qwen.attention import AttentionWeights, gated_attention
 from tensorfold_qwen.config import QwenConfig
 from tensorfold_qwen.fused import fuse_mixer
@@ -54,8 +57,9 @@ class Weights:
 class QwenModel:
     """A loaded Qwen3.5 checkpoint; `forward(plan, kv)` is the FamilyModel entry the engine calls."""
 
-    def __init__(self, config: QwenConfig, weights: Weights) -> None:
-        self.config = config
+    def __init__(self, config: QwenConfig, weights: Weights, shard: Shard = SINGLE) -> None:
+        self.config = config                                                   # this rank's (QwenConfig.on_rank)
+        self.shard = shard
         self.weights = attrs.evolve(weights, layers=tuple(attrs.evolve(layer, mixer=fuse_mixer(layer.mixer))
                                                           for layer in weights.layers))
         self.vocab_size = config.vocab_size
@@ -114,9 +118,11 @@ class QwenModel:
             if isinstance(layer.mixer, GdnWeights):
                 conv = kv.fixed(index, CONV, step.slot)                                   # [C, K-1]
                 state = kv.fixed(index, RECURRENT, step.slot)                             # [NV, DK, DV] float32
-                x = x + gated_delta_net(layer.mixer, self.config, h, step.start, conv, state)
+                mixed = gated_delta_net(layer.mixer, self.config, h, step.start, conv, state)
             else:
-                x = x + gated_attention(layer.mixer, self.config, h, cos, sin, index, step, kv)
+                mixed = gated_attention(layer.mixer, self.config, h, cos, sin, index, step, kv)
+            x = x + self.shard.reduce(mixed)                                             # row-parallel: summed
             h = rms_norm(x, layer.post_norm, eps)
-            x = x + (moe(layer.ffn, h) if isinstance(layer.ffn, MoeWeights) else swiglu(layer.ffn, h))
+            out = moe(layer.ffn, h) if isinstance(layer.ffn, MoeWeights) else swiglu(layer.ffn, h)
+            x = x + self.shard.reduce(out)
         return x

@@ -19,8 +19,10 @@ from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
+from tensorfold.shard import Shard, TensorParallel
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_qwen import load as loader
+from tensorfold_qwen import parallel
 from tensorfold_qwen.config import FULL, MODEL_TYPES, SERVED_DTYPES, QwenConfig, unsupported
 from tensorfold_qwen.model import CONV, KEYS, RECURRENT, VALUES, QwenModel
 
@@ -80,8 +82,13 @@ def family_request_starts_switch() -> str:
 # ---------------------------------------------------------------- checkpoints and the model
 
 @hookimpl
-def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> QwenModel:
-    return loader.load(checkpoint, dtype, device)
+def family_load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, shard: Shard) -> QwenModel:
+    return loader.load(checkpoint, dtype, device, shard=shard)
+
+
+@hookimpl
+def family_tensor_parallel(config: Mapping[str, Any]) -> TensorParallel:
+    return parallel.tensor_parallel(QwenConfig.from_dict(config))
 
 
 @hookimpl

@@ -9,9 +9,10 @@ reports events. It runs no hooks and no string lookups; the forward is resolved 
                 A failed stream is released (slot and pages) once and gets one ErrorEvent; waiting requests stay
     dead        the loop stops for good when it cannot go on: the device is lost (a family's DeviceLost or torch's
                 accelerator errors, anywhere in a step); memory integrity does not hold at the next idle moment
-                after a failure; FAILED_STEPS_DEAD steps in a row fail as a whole; or an exception escapes the
-                recovery. Then `failure` says why, every running, waiting and later request fails with it, and
-                `wait_failed` returns (launch.py: /health 503, the process exits with status 3)
+                after a failure; FAILED_STEPS_DEAD steps in a row fail as a whole; an exception escapes the
+                recovery; or another thread hands it a reason with `die` (a tensor-parallel follower gone). Then
+                `failure` says why, every running, waiting and later request fails with it, and `wait_failed`
+                returns (launch.py: /health 503, the process exits with status 3)
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Engine(StepPath):
         self.sampler = Sampler()
         self.context = context
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Request | BaseException | None] = queue.SimpleQueue()
         self._queued = 0
         self._lock = threading.Lock()
         self._stopping = False
@@ -121,6 +122,11 @@ class Engine(StepPath):
             self._thread.join(timeout)
         if self.scheduler.tiers is not None:
             self.scheduler.tiers.close()
+
+    def die(self, err: BaseException) -> None:
+        """Stop for good from another thread (a watcher found a tensor-parallel rank gone, follow/spawn.py): the
+        step loop raises `err` at its next turn (at once when idle), so everything held fails with its reason."""
+        self._inbox.put(err)
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises QueueFull when --max-waiting requests already wait, EngineDead once the loop
@@ -191,6 +197,8 @@ class Engine(StepPath):
             except queue.Empty:
                 return
             block = False
+            if isinstance(item, BaseException):
+                raise item
             if item is None:
                 self._stopping = True
                 return
@@ -328,7 +336,7 @@ class Engine(StepPath):
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     return
-                if item is not None:
+                if isinstance(item, Request):
                     self._tell_all(item, event)
 
     def snapshot(self) -> dict[str, object]:

@@ -4,11 +4,13 @@ Messages are pickled attrs records sent with `broadcast_object_list` from rank 0
 journal commands, so nothing is translated twice. Pickle is safe here because both ends are ranks of one server,
 started by it on one host (loopback) or one trusted cluster; the port is never a client's.
 
-Two gloo groups, so a dead rank is found within `timeout` seconds and an idle server never times out:
+Two groups, so a dead rank is found within `timeout` seconds and an idle server never times out:
 
-    steps    the broadcast of each message; rank 0 waits at most `timeout` for it, a follower waits forever for
-             the next one (the server may be idle for days; rank 0's death closes the socket and ends the wait)
-    reduce   the row-parallel reductions inside a forward (shard.Shard.reduce), `timeout` on every rank
+    steps    gloo: the broadcast of each message (pickled on the host); rank 0 waits at most `timeout` for it, a
+             follower waits forever for the next one (the server may be idle for days; rank 0's death closes the
+             socket and ends the wait)
+    reduce   the row-parallel reductions inside a forward (shard.Shard.reduce), `timeout` on every rank: gloo on
+             the CPU, NCCL on CUDA (each rank on its own device, set current before `join`)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 from datetime import timedelta
 
 import attrs
+import torch
 import torch.distributed as dist
 
 from tensorfold.follow.messages import Message
@@ -66,14 +69,21 @@ class World:
     channel: Channel
 
 
-def join(rank: int, world: int, address: str, timeout_s: float) -> World:
-    """Join the world at `address` (`tcp://host:port`, rank 0 listening) with gloo; blocks until every rank has."""
+def backend_for(device: torch.device) -> str:
+    """The reductions' backend on this device: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(rank: int, world: int, address: str, timeout_s: float, backend: str = "gloo") -> World:
+    """Join the world at `address` (`tcp://host:port`, rank 0 listening); blocks until every rank has. The steps
+    travel over gloo, the reductions over `backend`."""
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     short = timedelta(seconds=timeout_s)
     steps = dist.new_group(list(range(world)), timeout=short if rank == 0 else FOREVER, backend="gloo")
-    reduce = dist.new_group(list(range(world)), timeout=short, backend="gloo")
-    log.info("rank %d of %d joined the tensor-parallel world at %s", rank, world, address)
+    reduce = dist.new_group(list(range(world)), timeout=short, backend=backend)
+    log.info("rank %d of %d joined the tensor-parallel world at %s (reductions over %s)", rank, world, address,
+             backend)
     return World(shard=Shard(rank=rank, world=world, group=reduce), channel=Channel(rank, world, steps))
 
 

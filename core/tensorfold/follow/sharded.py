@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -26,3 +27,10 @@ class ShardedCheckpoint(Checkpoint):
         """This rank's slice of every tensor, shard by shard."""
         for name, tensor in super().tensors(progress):
             yield name, self.parallel.part(name, tensor, self.shard.rank, self.shard.world)
+
+    def elements(self, name: str, shape: tuple[int, ...]) -> int:
+        """The elements of this rank's slice (every rank's is the same size); a tensor no rule matches counts
+        whole (loading it is refused by name)."""
+        rule = self.parallel.rule(name)
+        cut = rule is not None and self.shard.world > 1 and rule.dim(torch.empty(shape, device="meta")) is not None
+        return math.prod(shape) // (self.shard.world if cut else 1)

@@ -13,6 +13,7 @@ import torch
 from tensorfold.engine.api import DeviceLost, DoneEvent, ErrorEvent, Event, Request, Sampling, TokenEvent
 from tensorfold.engine.runner import FAILED_STEPS_DEAD, Engine
 from tensorfold.service import EngineDead
+from tensorfold.shard import RankLost
 from tensorfold.testing import kit
 from tensorfold.testing.engine_gates import Rig
 from tensorfold.tiers import DeviceTier
@@ -362,3 +363,20 @@ def test_an_engine_dead_before_any_request_says_so(subject):
             engine.submit(Collect("late", prompt(8, 24), GREEDY).request)
     finally:
         engine.close()
+
+
+def test_die_from_another_thread_stops_an_idle_engine_with_its_reason(subject):
+    engine = engine_of(subject)
+    engine.start()
+    try:
+        before = Collect("before", prompt(8, 25), GREEDY)
+        engine.submit(before.request)
+        assert before.end() == DoneEvent("length", 8, 8, 0)
+        engine.die(RankLost("rank 1 of 2 (pid 7) exited: killed by SIGKILL"))   # what follow/spawn.py's watch does
+        reason = "a tensor-parallel rank is lost: rank 1 of 2 (pid 7) exited: killed by SIGKILL"
+        assert engine.wait_failed(timeout=60) == engine.failure == reason
+        with pytest.raises(EngineDead, match="a tensor-parallel rank is lost"):
+            engine.submit(Collect("later", prompt(8, 26), GREEDY).request)
+    finally:
+        engine.close()
+    assert engine.snapshot()["failure"] == reason

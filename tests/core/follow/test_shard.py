@@ -53,6 +53,46 @@ def test_a_rank_layout_splits_named_states_alone():
         PARALLEL.layout(layout, 3)
 
 
+def test_an_axis_cuts_stacked_experts_off_a_linears_own_dims():
+    gate_up = torch.arange(2 * 8 * 3.0).view(2, 8, 3)              # [experts, gate rows 0-3 | up rows 4-7, E]
+    column = Split("*.gate_up", "column", parts=(4, 4), axis=1)
+    parallel = TensorParallel(divides={}, params=[column, Split("*.down", "row", axis=-1)])
+    cut = parallel.part("l.gate_up", gate_up, 1, 2)
+    assert cut.shape == (2, 4, 3) and torch.equal(cut, gate_up[:, [2, 3, 6, 7]])
+    down = torch.arange(2 * 3 * 4.0).view(2, 3, 4)                  # [experts, E, F]
+    assert torch.equal(parallel.part("l.down", down, 0, 2), down[..., :2])
+    assert Split("*", "row", axis=-1).dim(torch.ones(4)) is None     # a row rule's 1-D tensor stays whole
+
+
+def test_a_state_split_by_parts_gives_each_rank_its_channels_of_every_piece():
+    conv = StateSplit("conv", 0, kind="linear", parts=(4, 4, 8))
+    whole = torch.arange(16.0)[:, None].expand(16, 3)               # q channels 0-3, k 4-7, v 8-15
+    assert conv.part(whole, 0, 2)[:, 0].tolist() == [0, 1, 4, 5, 8, 9, 10, 11]
+    assert conv.part(whole, 1, 2)[:, 0].tolist() == [2, 3, 6, 7, 12, 13, 14, 15]
+    parallel = TensorParallel(divides={}, params=[], states=[conv])
+    layout = Layout([LayerLayout("linear", fixed=[FixedState("conv", (16, 3), "float32")])])
+    assert parallel.layout(layout, 2).layers[0].fixed[0].shape == (8, 3)
+    with pytest.raises(ValueError, match=r"state 'conv' of shape \(16, 3\) \(parts \[4, 4, 8\]\) does not split "
+                                         r"in 8 along dim 0"):
+        parallel.layout(layout, 8)                                  # 16 splits in 8, its 4-channel pieces do not
+    with pytest.raises(ValueError, match=r"does not split in 8 along dim 0"):
+        conv.part(whole, 0, 8)
+
+
+def test_a_state_of_pieces_is_cut_piece_by_piece():
+    """A conv tail over [x | B | C] (8 + 2 + 2 channels): whole pieces must each divide, not just their sum."""
+    parallel = TensorParallel(divides={}, params=[],
+                              states=[StateSplit("conv", 0, kind="mamba", parts=(8, 2, 2))])
+    layout = Layout([LayerLayout("mamba", fixed=[FixedState("conv", (12, 3), "float32")])])
+    assert parallel.layout(layout, 2).layers[0].fixed[0].shape == (6, 3)
+    with pytest.raises(ValueError, match=r"state 'conv' of shape \(12, 3\) \(parts \[8, 2, 2\]\) does not split "
+                                         r"in 4 along dim 0"):
+        parallel.layout(layout, 4)                       # 12 divides by 4, the B and C pieces of 2 do not
+    wrong = TensorParallel(divides={}, params=[], states=[StateSplit("conv", 0, parts=(8, 2))])
+    with pytest.raises(ValueError, match=r"\(parts \[8, 2\]\) does not split in 2"):
+        wrong.layout(layout, 2)                          # the pieces must add up to the dim
+
+
 def test_shard_split_and_single_reduce():
     assert Shard(0, 2).split(4, "heads") == 2
     with pytest.raises(ValueError, match="does not divide KV heads 3"):
