@@ -24,7 +24,7 @@ from tensorfold.follow.rank import load_rank
 from tensorfold.follow.sharded import ShardedCheckpoint
 from tensorfold.plugins import load_families
 from tensorfold.shard import Shard, Split, TensorParallel
-from tensorfold.testing.tp_world import Job, run_world
+from tensorfold.testing.tp_world import Job, greedy_gap, replied, same_bits, tp1_and_tp2
 from tensorfold_nemotron import plugin
 from tensorfold_nemotron.mamba import MambaWeights
 from tensorfold_nemotron.mlp import MoeWeights
@@ -61,44 +61,27 @@ def latent(tmp_path_factory):
 @pytest.fixture(scope="module")
 def worlds(tiny, tmp_path_factory):
     """TP=1 once, TP=2 twice: rank 0's replies and logits rows."""
-    job = Job(family="nemotron", model=tiny, prompts=PROMPTS)
-    one, _ = run_world(1, job, tmp_path_factory.mktemp("tp1"))
-    found = []
-    for run in range(2):
-        result, codes = run_world(2, job, tmp_path_factory.mktemp(f"tp2-{run}"))
-        assert codes == [0, 0], codes
-        found.append(result)
-    return one, found
-
-
-def tokens(replies):
-    return [reply["tokens"] for reply in replies]
+    return tp1_and_tp2(Job(family="nemotron", model=tiny, prompts=PROMPTS), tmp_path_factory.mktemp("worlds"))
 
 
 # ---------------------------------------------------------------- TP=2 through the engine
 
 def test_tp2_greedy_tokens_equal_tp1(worlds):
     one, (two, _) = worlds
-    assert one["failure"] is None and two["failure"] is None
-    assert all(len(t) == 12 for t in tokens(one["alone"]))
-    assert tokens(two["alone"]) == tokens(one["alone"])
-    assert len(two["logits"]) == len(one["logits"])
-    pairs = [(a, b) for a, b in zip(one["logits"], two["logits"], strict=True) if a.numel()]
-    assert all(a.shape == b.shape for a, b in pairs) and len(pairs) >= len(PROMPTS) * 12
-    worst = max(float((a - b).abs().max()) for a, b in pairs)
-    print(f"\n[nemotron TP=2] max |logits TP=2 - TP=1| over {len(pairs)} sampling steps: {worst:.2e}")
-    assert worst <= LOGIT_ATOL
+    rows, worst = greedy_gap(one, two, 12)
+    print(f"\n[nemotron] TP=2 vs TP=1: max |logit difference| over {rows} sampled rows {worst:.2e}")
+    assert rows >= len(PROMPTS) * 12 and worst <= LOGIT_ATOL, worst
 
 
 def test_tp2_concurrent_equals_solo(worlds):
-    _, (two, _) = worlds
-    assert tokens(two["together"]) == tokens(two["alone"])
+    _, runs = worlds
+    assert all(replied(run["together"]) == replied(run["alone"]) for run in runs)
 
 
 def test_tp2_is_the_same_bits_run_to_run(worlds):
     _, (first, second) = worlds
-    assert tokens(first["alone"]) == tokens(second["alone"])
-    assert all(torch.equal(a, b) for a, b in zip(first["logits"], second["logits"], strict=True))
+    assert same_bits(first, second)
+
 
 
 # ---------------------------------------------------------------- each rank's states

@@ -9,9 +9,8 @@ chunk grid (64)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tensorfold.testing.tp_world import Job, run_world
+from tensorfold.testing.tp_world import Job, greedy_gap, replied, same_bits, tp1_and_tp2
 from tensorfold_qwen import plugin
 
 pytestmark = pytest.mark.slow          # four spawned worlds of two processes
@@ -26,41 +25,21 @@ def worlds(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(f"tiny-qwen-{request.param}")
     plugin.write_tiny(directory, seed=0, moe=request.param == "moe")
     job = Job(family="qwen", model=directory, prompts=PROMPTS)
-    one, _ = run_world(1, job, tmp_path_factory.mktemp("tp1"))
-    found = []
-    for run in range(2):
-        out = tmp_path_factory.mktemp(f"tp2-{run}")
-        result, codes = run_world(2, job, out)
-        assert codes == [0, 0], [(path.name, path.read_text()) for path in out.glob("*.error")] or codes
-        found.append(result)
-    return request.param, one, found
-
-
-def tokens(replies):
-    return [reply["tokens"] for reply in replies]
+    return (request.param, *tp1_and_tp2(job, tmp_path_factory.mktemp(f"worlds-{request.param}")))
 
 
 def test_tp2_greedy_tokens_equal_tp1(worlds):
     kind, one, (two, _) = worlds
-    assert one["failure"] is None and two["failure"] is None
-    assert all(len(t) == 12 for t in tokens(one["alone"]))
-    assert tokens(two["alone"]) == tokens(one["alone"])
-    assert len(two["logits"]) == len(one["logits"])
-    pairs = [(a, b) for a, b in zip(one["logits"], two["logits"], strict=True) if a.numel()]
-    assert all(a.shape == b.shape for a, b in pairs) and sum(a.shape[0] for a, _ in pairs) >= 4 * 12
-    worst = max(float((a - b).abs().max()) for a, b in pairs)
-    print(f"{kind}: TP=2 vs TP=1 max |Δlogit| over {sum(a.shape[0] for a, _ in pairs)} sampled rows {worst:.2e}")
-    assert worst <= LOGIT_ATOL
+    rows, worst = greedy_gap(one, two, 12)
+    print(f"\n[qwen {kind}] TP=2 vs TP=1: max |logit difference| over {rows} sampled rows {worst:.2e}")
+    assert rows >= len(PROMPTS) * 12 and worst <= LOGIT_ATOL, worst
 
 
 def test_tp2_concurrent_equals_solo(worlds):
-    _, _, (two, again) = worlds
-    assert tokens(two["together"]) == tokens(two["alone"])
-    assert tokens(again["together"]) == tokens(again["alone"])
+    _, _, runs = worlds
+    assert all(replied(run["together"]) == replied(run["alone"]) for run in runs)
 
 
 def test_tp2_is_the_same_bits_run_to_run(worlds):
     _, _, (first, second) = worlds
-    assert tokens(first["alone"]) == tokens(second["alone"])
-    assert tokens(first["together"]) == tokens(second["together"])
-    assert all(torch.equal(a, b) for a, b in zip(first["logits"], second["logits"], strict=True))
+    assert same_bits(first, second)

@@ -167,3 +167,41 @@ def run_world(world: int, job: Job, out: Path, join_s: float = 300.0) -> tuple[d
             proc.kill()
     found = out / "rank0.pt"
     return (torch.load(found) if found.exists() else {}), codes
+
+
+def tp1_and_tp2(job: Job, out: Path) -> tuple[dict, list[dict]]:
+    """TP=1 once, TP=2 twice: rank 0's results of each (what every family's TP tests compare)."""
+    one, _ = run_world(1, job, out / "tp1")
+    runs = []
+    for run in range(2):
+        found = out / f"tp2-{run}"
+        result, codes = run_world(2, job, found)
+        errors = [path.read_text() for path in found.glob("*.error")]
+        if codes != [0, 0] or errors:
+            raise AssertionError(f"TP=2 run {run}: exit codes {codes}; {errors}")
+        runs.append(result)
+    return one, runs
+
+
+def replied(replies: list[dict]) -> list[list[int]]:
+    """Each reply's token ids."""
+    return [reply["tokens"] for reply in replies]
+
+
+def greedy_gap(one: dict, two: dict, max_tokens: int) -> tuple[int, float]:
+    """Check TP=2's greedy replies equal TP=1's, full length, over the same sampling steps; (the logits rows
+    compared, the largest |TP=2 − TP=1| among them). Steps that sampled nothing are left out."""
+    assert one["failure"] is None and two["failure"] is None, (one["failure"], two["failure"])
+    assert all(len(tokens) == max_tokens for tokens in replied(one["alone"]))
+    assert replied(two["alone"]) == replied(one["alone"])
+    assert len(two["logits"]) == len(one["logits"])
+    pairs = [(a, b) for a, b in zip(one["logits"], two["logits"], strict=True) if a.numel()]
+    assert all(a.shape == b.shape for a, b in pairs)
+    return sum(a.shape[0] for a, _ in pairs), max(float((a - b).abs().max()) for a, b in pairs)
+
+
+def same_bits(first: dict, second: dict) -> bool:
+    """Two runs' replies alone and together, and every logits row, bitwise the same."""
+    return (replied(first["alone"]) == replied(second["alone"])
+            and replied(first["together"]) == replied(second["together"])
+            and all(torch.equal(a, b) for a, b in zip(first["logits"], second["logits"], strict=True)))
