@@ -27,6 +27,7 @@ from tensorfold.memory import StreamMemory
 from tensorfold.memory_plan import (
     GIB,
     HOST_CACHE_SHARE,
+    MEMINFO,
     MemoryPlan,
     default_budget,
     default_host_cache,
@@ -143,11 +144,12 @@ def build_memory(plan: MemoryPlan, layout: Layout, settings: Settings, device: t
     return StreamMemory(store, slots, PagePool(plan.pages, plan.page_rows))
 
 
-def host_cache_bytes(settings: Settings) -> int:
-    """The host tier's budget: --host-cache-gib, else a share of available RAM (read here, once)."""
+def host_cache_bytes(settings: Settings, meminfo: Path = MEMINFO) -> int:
+    """The host tier's budget, one rank's: --host-cache-gib, else a share of available RAM (read here, once) split
+    between the ranks (every rank keeps its part of each state in the same host's memory)."""
     if settings.host_cache_gib is not None:
         return int(settings.host_cache_gib * GIB)
-    return default_host_cache()
+    return default_host_cache(meminfo) // max(1, settings.tensor_parallel)
 
 
 def build_tiers(settings: Settings, memory: StreamMemory, host_bytes: int) -> tuple[DeviceTier | None,
@@ -164,7 +166,8 @@ def tiers_line(settings: Settings, host_bytes: int, pinned: bool) -> str:
         f"{size(settings.prompt_cache_gib * GIB)} on the device"
     if host_bytes <= 0:
         return f"{device}, host tier off"
-    share = f" ({HOST_CACHE_SHARE:.0%} of available RAM)" if settings.host_cache_gib is None else ""
+    ranks = f" / {settings.tensor_parallel} ranks" if settings.tensor_parallel > 1 else ""
+    share = f" ({HOST_CACHE_SHARE:.0%} of available RAM{ranks})" if settings.host_cache_gib is None else ""
     return f"{device}, {size(host_bytes)} of {'pinned ' if pinned else ''}host memory{share}"
 
 

@@ -67,9 +67,9 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
 
 
 def tp_refusals(settings: Settings) -> list[str]:
-    """What tensor parallelism cannot do yet, and its flags' values: kept states are not sent to followers in this
-    slice of the follow protocol (docs/architecture.md, "Tensor parallelism"), so every tier must be off; on CUDA
-    each rank needs a device of its own."""
+    """What tensor parallelism cannot do yet, and its flags' values: the device and host tiers are mirrored on every
+    rank (tiers/mirror.py), the disk tier is not yet (docs/architecture.md, "Tensor parallelism"), so
+    --learn-conversations is refused; on CUDA each rank needs a device of its own."""
     world = settings.tensor_parallel
     found = []
     if world < 1:
@@ -77,13 +77,9 @@ def tp_refusals(settings: Settings) -> list[str]:
     if settings.tp_timeout_s <= 0:
         found.append(f"--tp-timeout {settings.tp_timeout_s:g} must be above 0 seconds")
     if world > 1:
-        tiers = [flag for flag, on in (("--prompt-cache-gib", settings.prompt_cache_gib > 0),
-                                       ("--host-cache-gib", settings.host_cache_gib is None
-                                        or settings.host_cache_gib > 0),
-                                       ("--learn-conversations", settings.learn)) if on]
-        if tiers:
-            found.append(f"--tensor-parallel-size {world} keeps no prompt states yet: turn off {', '.join(tiers)} "
-                         "(--prompt-cache-gib 0 --host-cache-gib 0, no --learn-conversations)")
+        if settings.learn:
+            found.append(f"--tensor-parallel-size {world} keeps no states on disk yet: leave out "
+                         "--learn-conversations (the device and host tiers work at any size)")
         found += _tp_device_refusals(settings.device, world)
     return found
 

@@ -71,4 +71,6 @@ def test_a_trim_gives_back_what_free_kept() -> None:
     assert found["full"] - found["freed"] < allocated // 4      # free() alone gives back next to nothing
     assert found["trimmed"] is True
     assert found["freed"] - found["after"] >= allocated * 3 // 4  # the trim gives it back
-    assert found["released"] == found["freed"] - found["after"] and found["floor"] == found["after"]
+    # the trimmer's own RSS readings, a moment before this process's next read: a page or two may move between them
+    assert abs(found["released"] - (found["freed"] - found["after"])) <= MIB
+    assert abs(found["floor"] - found["after"]) <= MIB

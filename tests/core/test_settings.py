@@ -49,6 +49,9 @@ def test_the_host_cache_defaults_to_a_share_of_available_ram(tmp_path):
     assert read_settings({}, [], host_cache_gib=0.5).host_cache_gib == 0.5
     assert host_cache_bytes(Settings(host_cache_gib=0.5)) == 2**29 and host_cache_bytes(Settings(host_cache_gib=0)) == 0
     assert host_cache_bytes(Settings()) > 0
+    # at --tp N every rank keeps its part of each state in the same host's memory: the default is one rank's share
+    assert host_cache_bytes(Settings(tensor_parallel=2), meminfo) == default_host_cache(meminfo) // 2
+    assert host_cache_bytes(Settings(tensor_parallel=2, host_cache_gib=0.5)) == 2**29   # given: per rank
 
 
 def test_boot_builds_the_host_tier_shows_it_in_the_plan_and_turns_it_off_at_zero(example, tiny_dir):

@@ -133,12 +133,12 @@ def client_of(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tuple]]:
-    """A `--tp 1` and a `--tp 2` server with the same flags, started together: {tp: (process, url, log)}."""
-    root = tmp_path_factory.mktemp("tp-pair")
-    started = {tp: (*start(tiny_checkpoint, root / f"tp{tp}.log", *TP_FLAGS, "--tp", str(tp)), root / f"tp{tp}.log")
-               for tp in (1, 2)}
+@contextlib.contextmanager
+def servers_of(model: Path, root: Path, flags: dict, family: str = "example") -> Iterator[dict]:
+    """Servers of one checkpoint started together, one per entry of `flags` ({name: serve flags}), each healthy
+    before the block runs: {name: (process, url, log)}; every one stopped after it."""
+    started = {name: (*start(model, root / f"{name}.log", *more, family=family), root / f"{name}.log")
+               for name, more in flags.items()}
     try:
         for process, url, log in started.values():
             wait_healthy(process, url, log)
@@ -146,6 +146,14 @@ def pair(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     finally:
         for process, _, _ in started.values():
             stop(process)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tuple]]:
+    """A `--tp 1` and a `--tp 2` server with the same flags, started together: {tp: (process, url, log)}."""
+    with servers_of(tiny_checkpoint, tmp_path_factory.mktemp("tp-pair"),
+                    {tp: (*TP_FLAGS, "--tp", str(tp)) for tp in (1, 2)}) as started:
+        yield started
 
 
 def test_tp2_chat_replies_equal_tp1(pair):
@@ -162,19 +170,12 @@ def test_every_family_at_tp2_replies_as_at_tp1(family, tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()
     load_families([family])[family].make_tiny(model, seed=0)
-    started = {tp: (*start(model, tmp_path / f"tp{tp}.log", *TP_FLAGS, "--tp", str(tp), family=family),
-                    tmp_path / f"tp{tp}.log") for tp in (1, 2)}
-    try:
-        for process, url, log in started.values():
-            wait_healthy(process, url, log)
+    with servers_of(model, tmp_path, {tp: (*TP_FLAGS, "--tp", str(tp)) for tp in (1, 2)}, family) as started:
         one, two = (client_of(started[tp][1]) for tp in (1, 2))
         replies = [greedy(two, text) for text in CHATS[:2]]
         assert all(len(ids) == 12 for ids in replies)
         assert replies == [greedy(one, text) for text in CHATS[:2]]
         assert ranks(started[2][1])[1]["pid"] in children(started[2][0].pid)
-    finally:
-        for process, _, _ in started.values():
-            stop(process)
 
 
 def test_tp2_concurrent_equals_solo(pair):

@@ -1,8 +1,10 @@
-"""Ranks 1..N-1: build the store rank 0 describes, then replay each step it sends until it stops."""
+"""Ranks 1..N-1: build the store rank 0 describes, then replay each step it sends until it stops: its store commands
+on the store, its tier commands on this rank's parts of the kept states (tiers/mirror.py)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -11,6 +13,7 @@ from tensorfold.follow.channel import Channel
 from tensorfold.follow.messages import Start, Step, Stop
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.layout import Layout
+from tensorfold.tiers.mirror import TIER_COMMANDS, Mirror
 
 log = logging.getLogger(__name__)
 
@@ -22,23 +25,31 @@ def store_for(start: Start, layout: Layout, device: torch.device) -> KvStore:
     return WindowStore(layout, start.slots, start.capacity, device, start.poison)
 
 
-def follow(channel: Channel, model: FamilyModel, layout: Layout, device: torch.device) -> str:
-    """Replay rank 0's steps until it stops; return its reason. A lost rank 0 raises RankLost; a forward that
-    raises here ends this follower (rank 0 then finds it gone)."""
+def follow(channel: Channel, model: FamilyModel, layout: Layout, device: torch.device,
+           at_stop: Callable[[Mirror], None] | None = None) -> str:
+    """Replay rank 0's steps until it stops; return its reason (`at_stop`, for tests, sees this rank's kept parts
+    then). A lost rank 0 raises RankLost; a forward that raises here ends this follower (rank 0 then finds it
+    gone)."""
     start = channel.receive()
     if not isinstance(start, Start):
         raise TypeError(f"rank {channel.rank}: the first message must be Start, got {type(start).__name__}")
     kv = store_for(start, layout, device)
+    mirror = Mirror(kv)
     steps = 0
     with torch.inference_mode():
         while True:
             message = channel.receive()
             if isinstance(message, Stop):
                 log.info("rank %d: rank 0 stopped after %d steps: %s", channel.rank, steps, message.reason)
+                if at_stop is not None:
+                    at_stop(mirror)
                 return message.reason
             if not isinstance(message, Step):
                 raise TypeError(f"rank {channel.rank}: expected Step or Stop, got {type(message).__name__}")
             for command in message.commands:
-                command.apply(kv)
+                if isinstance(command, TIER_COMMANDS):
+                    mirror.apply(command)
+                else:
+                    command.apply(kv)
             model.forward(message.plan, kv)
             steps += 1

@@ -1,13 +1,15 @@
 """The records rank 0 sends its followers, in order, over one broadcast each (channel.py).
 
     Start   once, first: the shape of the store every rank builds (kind, slots, pages, page rows, window)
-    Step    before rank 0 runs a forward: the store commands since the last step (kv/journal.py: clear, bind,
-            fill, copy), then the StepPlan itself; a follower applies the commands in order and runs the same plan
+    Step    before rank 0 runs a forward: the store and tier commands since the last step (kv/journal.py: clear,
+            bind, fill, copy; tiers/mirror.py: keep, move, restore, drop), then the StepPlan itself; a follower
+            applies the commands in order and runs the same plan
     Stop    rank 0 is stopping (its reason said once in each follower's log); followers return
 
 A follower decides nothing: slots, pages, positions and tokens (the sampled ones included, inside the plan) are all
-rank 0's. Kept states (keep, evict, restore, drop) are not sent yet: at TP above 1 the kept-state tiers are
-refused (boot), so no value written outside a forward exists only on rank 0.
+rank 0's. Kept states travel in the same journal: rank 0's device and host tiers record each keep, move, restore,
+promotion and drop (tiers/mirror.py) among the store commands, and a follower mirrors them on its own part of
+each state, so no value written outside a forward exists only on rank 0.
 """
 
 from __future__ import annotations

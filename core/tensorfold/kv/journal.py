@@ -3,7 +3,8 @@
 On rank 0 of a tensor-parallel world the store keeps a journal (`KvStore.journal`, a list; None elsewhere): each
 slot cleared, page table bound, page poisoned and slot copied (a fork) is appended in order, and the follow
 protocol sends the journal with the next step (follow/). None of them carries a tensor: each rank applies it to its
-own part of the state, so the same record is right on every rank.
+own part of the state, so the same record is right on every rank. Rank 0's kept-state tiers append their own
+records to the same journal, in order with these (tiers/mirror.py); a follower applies those to its Mirror.
 """
 
 from __future__ import annotations

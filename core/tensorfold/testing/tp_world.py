@@ -1,5 +1,6 @@
 """Real tensor-parallel worlds for tests: each rank a spawned process joined over gloo on the loopback, rank 0
-serving requests through the Engine and its followers replaying its steps (follow/)."""
+serving requests through the Engine (with kept-state tiers when the Job gives them budgets) and its followers
+replaying its steps (follow/); each follower saves the keys of its kept parts when rank 0 stops."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tensorfold.follow.channel import join, leave
 from tensorfold.follow.follower import follow
 from tensorfold.follow.leader import Leader
 from tensorfold.follow.rank import load_rank
-from tensorfold.kv import KvStore, PagedStore
+from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.memory import StreamMemory
 from tensorfold.plan import StepPlan
 from tensorfold.plugins import load_families
@@ -31,6 +32,10 @@ from tensorfold.pool.slots import SlotPool
 from tensorfold.service import EngineDead
 from tensorfold.shard import SINGLE
 from tensorfold.testing.engine_gates import Client, running
+from tensorfold.tiers.device import DeviceTier
+from tensorfold.tiers.host import HostTier
+from tensorfold.tiers.mirror import Mirror
+from tensorfold.tiers.states import HostState, KeptState
 
 
 @attrs.frozen
@@ -48,6 +53,10 @@ class Job:
     context: int = 256
     timeout_s: float = 10.0
     die_after: int | None = None       # a follower kills itself (SIGKILL) after this many steps
+    device_bytes: int = 0              # the device tier's budget on rank 0 (0: off)
+    host_bytes: int = 0                # the host tier's budget on rank 0 (0: off)
+    together: bool = True              # also serve every prompt at once after serving them one by one
+    paged: bool = True                 # False: one window per slot (TF_KV_PAGES=0)
 
 
 def free_port() -> int:
@@ -58,17 +67,21 @@ def free_port() -> int:
 
 
 class Recorder:
-    """A FamilyModel that keeps every logits row its model returns, in order."""
+    """A FamilyModel that keeps every logits row its model returns, in order, and apart those of the steps where
+    every stream feeds one row (decode steps: as many with kept states as without)."""
 
     def __init__(self, model: FamilyModel) -> None:
         self.model = model
         self.vocab_size = model.vocab_size
         self.rows: list[torch.Tensor] = []
+        self.decode_rows: list[torch.Tensor] = []
 
     def forward(self, plan: StepPlan, kv: KvStore) -> torch.Tensor:
         """The model's forward, its rows kept."""
         out = self.model.forward(plan, kv)
         self.rows.append(out.detach().clone())
+        if plan.rows == len(plan.streams):
+            self.decode_rows.append(self.rows[-1])
         return out
 
 
@@ -87,6 +100,13 @@ class Dying:
             os.kill(os.getpid(), signal.SIGKILL)
         self.steps += 1
         return self.model.forward(plan, kv)
+
+
+def parts(mirror: Mirror) -> dict:
+    """A follower's kept parts at the end: their keys by kind, and the bytes their copies hold."""
+    return {"device": sorted(k for k, p in mirror.parts.items() if isinstance(p, KeptState)),
+            "host": sorted(k for k, p in mirror.parts.items() if isinstance(p, HostState)),
+            "bytes": mirror.nbytes}
 
 
 def serve(engine: Engine, prompts: Sequence[tuple[int, ...]], max_tokens: int, together: bool) -> list[dict]:
@@ -126,19 +146,30 @@ def _run_rank(rank: int, world: int, port: int, job: Job, out: Path) -> None:
     model, layout = load_rank(family, checkpoint, torch.float32, torch.device("cpu"), shard)
     if rank > 0:
         follow(joined.channel, Dying(model, job.die_after) if job.die_after is not None else model, layout,
-               torch.device("cpu"))
+               torch.device("cpu"), at_stop=lambda mirror: torch.save(parts(mirror), out / f"rank{rank}.pt"))
         leave()
         return
-    memory = StreamMemory(PagedStore(layout, job.parallel, job.pages, job.page_rows, poison=True),
-                          SlotPool(job.parallel), PagePool(job.pages, job.page_rows))
+    if job.paged:
+        memory = StreamMemory(PagedStore(layout, job.parallel, job.pages, job.page_rows, poison=True),
+                              SlotPool(job.parallel), PagePool(job.pages, job.page_rows))
+    else:
+        memory = StreamMemory(WindowStore(layout, job.parallel, job.context, poison=True), SlotPool(job.parallel),
+                              None)
     recorder = Recorder(model)
     served = Leader(recorder, memory.kv, joined.channel) if joined is not None else recorder
-    engine = Engine(served, memory, prefill_chunk=job.chunk, context=job.context, max_waiting=64)
+    device = DeviceTier(memory, job.device_bytes) if job.device_bytes else None
+    host = HostTier(memory, job.host_bytes) if job.host_bytes else None
+    engine = Engine(served, memory, prefill_chunk=job.chunk, context=job.context, max_waiting=64, tier=device,
+                    host=host)
     with running(engine):
         alone = serve(engine, job.prompts, job.max_tokens, together=False)
-        logits = list(recorder.rows)
-        together = serve(engine, job.prompts, job.max_tokens, together=True)
-    result = {"alone": alone, "together": together, "logits": logits, "failure": engine.failure}
+        logits, decode_logits = list(recorder.rows), list(recorder.decode_rows)
+        together = serve(engine, job.prompts, job.max_tokens, together=True) if job.together else []
+    kept = engine.scheduler.tiers
+    result = {"alone": alone, "together": together, "logits": logits, "decode_logits": decode_logits,
+              "failure": engine.failure,
+              "tiers": kept.describe() if kept is not None else {},
+              "keys": {tier.name: sorted(s.key for s in tier.states) for tier in kept.tiers} if kept else {}}
     torch.save(result, out / "rank0.pt")
     if engine.failure is not None:      # the world is lost: nothing to stop or tear down in step
         return

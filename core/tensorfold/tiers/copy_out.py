@@ -54,6 +54,13 @@ class CopiedOut:
 def slot_out(kv: KvStore, lane: Lane, arena: HostArena, claim: Claim, at: int, piece_bytes: int) -> CopiedOut:
     """The state `claim`'s slot holds at `at` (the end of its last step), copied out (module docstring)."""
     pages = claim.lease.pages if isinstance(kv, PagedStore) and claim.lease is not None else None
+    return slot_pages_out(kv, lane, arena, claim.slot, pages, at, piece_bytes)
+
+
+def slot_pages_out(kv: KvStore, lane: Lane, arena: HostArena, slot: int, pages: list[int] | None, at: int,
+                   piece_bytes: int) -> CopiedOut:
+    """The state `slot` holds at `at` over `pages` (None: a window store), copied out (module docstring)."""
+    pages = pages if isinstance(kv, PagedStore) else None
     rows, fixed, marks = [], [], []
     hosts = iter(_carve(kv, arena, at))
     with lane.copying(), kv.aside():
@@ -65,7 +72,7 @@ def slot_out(kv: KvStore, lane: Lane, arena: HostArena, claim: Claim, at: int, p
                 entries = host.shape[0]
                 if pages is None:
                     if entries:
-                        lane.to_host(host, kv.rows(i, spec.name, claim.slot, at))
+                        lane.to_host(host, kv.rows(i, spec.name, slot, at))
                 else:
                     per_page = kv.page_rows // spec.every
                     target = kv.row_pages(i, spec.name)
@@ -76,7 +83,7 @@ def slot_out(kv: KvStore, lane: Lane, arena: HostArena, claim: Claim, at: int, p
                 rows.append((i, spec.name, host))
             for spec in layer.fixed:
                 host = next(hosts)
-                lane.to_host(host, kv.fixed(i, spec.name, claim.slot))
+                lane.to_host(host, kv.fixed(i, spec.name, slot))
                 fixed.append((i, spec.name, host))
             marks.append((i, lane.mark()))
     return CopiedOut(rows=tuple(rows), fixed=tuple(fixed), marks=tuple(marks))

@@ -31,6 +31,7 @@ from tensorfold.memory import Claim, StreamMemory
 from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.tiers.base import Lower, Tier
 from tensorfold.tiers.lanes import Lane
+from tensorfold.tiers.mirror import Adopt, Drop, Restore, Snap, new_key, slot_copies
 from tensorfold.tiers.rates import DEVICE_BYTES_PER_S, Rate, TimedRestores
 from tensorfold.tiers.states import Copies, KeptState
 
@@ -77,15 +78,13 @@ class DeviceTier(TimedRestores, Tier[KeptState]):
             tail_start = full * self.page_rows
         else:
             pages, tail_start = (), 0
-        tail = []
-        for i, layer in enumerate(kv.layout.layers):
-            for spec in layer.rows:
-                entries = kv.rows(i, spec.name, claim.slot, at)[tail_start // spec.every:]
-                tail.append((i, spec.name, entries.clone()))
-        fixed = tuple((i, spec.name, kv.fixed(i, spec.name, claim.slot).clone())
-                      for i, layer in enumerate(kv.layout.layers) for spec in layer.fixed)
-        return KeptState(tokens=tokens, at=at, cuts=cuts, pages=pages, tail_start=tail_start, tail=tuple(tail),
-                         fixed=fixed, why=frozenset(why), partition=partition)
+        tail, fixed = slot_copies(kv, claim.slot, at, tail_start)
+        state = KeptState(tokens=tokens, at=at, cuts=cuts, pages=pages, tail_start=tail_start, tail=tail,
+                          fixed=fixed, why=frozenset(why), partition=partition)
+        if kv.journal is not None:
+            state.key = new_key()
+            kv.journal.append(Snap(state.key, claim.slot, at, pages, tail_start))
+        return state
 
     def alone_bytes(self, state: KeptState) -> int:
         """Bytes a state holds on its own: its pages and its copies."""
@@ -96,6 +95,8 @@ class DeviceTier(TimedRestores, Tier[KeptState]):
         below when there is one). False, counted as refused, when it alone does not fit."""
         if self.alone_bytes(state) > self.budget:
             self.refused += 1
+            if self.memory.kv.journal is not None:
+                self.memory.kv.journal.append(Drop(state.key))
             return False
         if self.memory.pool is not None and state.pages:
             self.memory.pool.keep(state.pages)
@@ -132,6 +133,9 @@ class DeviceTier(TimedRestores, Tier[KeptState]):
         if self.memory.pool is not None and pages:
             self.memory.pool.keep(pages)
         self.promoted += 1
+        if self.memory.kv.journal is not None:
+            state.key = new_key()
+            self.memory.kv.journal.append(Adopt(state.key, at, pages))
         return self._add(state)
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
@@ -158,6 +162,8 @@ class DeviceTier(TimedRestores, Tier[KeptState]):
         state = self._states.pop(key)
         if self.memory.pool is not None and state.pages:
             self.memory.pool.unkeep(state.pages)
+        if self.memory.kv.journal is not None:
+            self.memory.kv.journal.append(Drop(state.key))
 
     def clear(self) -> None:
         """Drop every state (nothing moves to the tier below)."""
@@ -190,6 +196,8 @@ class DeviceTier(TimedRestores, Tier[KeptState]):
         for i, name, tensor in state.tail:
             if tensor.shape[0]:
                 kv.write_rows(i, name, claim.slot, state.tail_start, tensor)
+        if kv.journal is not None:
+            kv.journal.append(Restore(state.key, claim.slot))
         timer.stop()
         self._timed_restore(timer, state.copy_bytes)
         self._served(state)

@@ -30,9 +30,6 @@ the budget is refused and counted. States let go move to the disk tier when ther
 
 from __future__ import annotations
 
-import attrs
-import torch
-
 from tensorfold.kv import PagedStore
 from tensorfold.layout import DTYPES, RowState
 from tensorfold.memory import Claim, StreamMemory
@@ -40,23 +37,15 @@ from tensorfold.pool.pages import PoolCorrupt
 from tensorfold.tiers.arena import HostArena
 from tensorfold.tiers.base import Lower, Tier
 from tensorfold.tiers.copy_out import CopiedOut, kept_out, slot_out
+from tensorfold.tiers.host_restore import Promoted, restore_host
 from tensorfold.tiers.lanes import Lane
+from tensorfold.tiers.mirror import Drop, HostKeep, HostRestore, HostSetup, ToHost, new_key
 from tensorfold.tiers.rates import HOST_BYTES_PER_S, Rate, TimedRestores
-from tensorfold.tiers.states import Copies, HostState, KeptState
+from tensorfold.tiers.states import HostState, KeptState
 
 PIECE_BYTES = 64 * 2**20        # the largest copy between host and device (its device buffer): large copies run at
                                 # the link's speed
 HOST_RESERVE_BYTES = 4 * 2**30  # host memory carved ready at startup (within the budget, pinned on CUDA)
-
-
-@attrs.frozen
-class Promoted:
-    """What a device state made from a host restore needs beyond the claim's pages: the copies of its partial last
-    page's entries (from row `tail_start`) and of its fixed states, on the device."""
-
-    tail_start: int
-    tail: Copies
-    fixed: Copies
 
 
 class HostTier(TimedRestores, Tier[HostState]):
@@ -83,6 +72,8 @@ class HostTier(TimedRestores, Tier[HostState]):
         self.arena = HostArena(self.pin, limit=budget + budget // 4)   # a quarter more: room for its free runs
         if self.pin:
             self.arena.reserve(min(budget, reserve))
+        if memory.kv.journal is not None:
+            memory.kv.journal.append(HostSetup(budget, piece_bytes, reserve))
         self.lane = Lane(memory.kv.device)
         self._timing(Rate(HOST_BYTES_PER_S.get(memory.kv.device.type, HOST_BYTES_PER_S["cpu"])))
 
@@ -104,8 +95,13 @@ class HostTier(TimedRestores, Tier[HostState]):
         if not self._room(self.state_bytes(state.at), spare):
             return False
         out = kept_out(self.memory.kv, self.lane, self.arena, state, self.piece_bytes)
-        self._insert(HostState(tokens=state.tokens, at=state.at, cuts=state.cuts, rows=out.rows, fixed=out.fixed,
-                               why=state.why, passed=state.passed, partition=state.partition), out, None)
+        held = self._insert(HostState(tokens=state.tokens, at=state.at, cuts=state.cuts, rows=out.rows,
+                                      fixed=out.fixed, why=state.why, passed=state.passed,
+                                      partition=state.partition), out, None)
+        journal = self.memory.kv.journal
+        if journal is not None:
+            held.key = new_key()
+            journal.append(ToHost(state.key, held.key))
         return True
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
@@ -117,8 +113,14 @@ class HostTier(TimedRestores, Tier[HostState]):
         if not self._room(self.state_bytes(at), spare):
             return None
         out = slot_out(self.memory.kv, self.lane, self.arena, claim, at, self.piece_bytes)
-        return self._insert(HostState(tokens=tokens, at=at, cuts=cuts, rows=out.rows, fixed=out.fixed,
+        held = self._insert(HostState(tokens=tokens, at=at, cuts=cuts, rows=out.rows, fixed=out.fixed,
                                       why=frozenset(why), partition=partition), out, claim.slot)
+        journal = self.memory.kv.journal
+        if journal is not None:
+            held.key = new_key()
+            pages = tuple(claim.lease.pages) if isinstance(self.memory.kv, PagedStore) and claim.lease else None
+            journal.append(HostKeep(held.key, claim.slot, at, pages))
+        return held
 
     def _room(self, need: int, spare: object | None) -> bool:
         """Make room for `need` bytes; False, counted as refused, when the budget cannot hold them."""
@@ -158,6 +160,8 @@ class HostTier(TimedRestores, Tier[HostState]):
         state = self._states.pop(key)
         self._bytes -= state.nbytes
         self.evicted += 1
+        if self.memory.kv.journal is not None:
+            self.memory.kv.journal.append(Drop(state.key))
 
     def clear(self) -> None:
         """Drop every state."""
@@ -176,78 +180,15 @@ class HostTier(TimedRestores, Tier[HostState]):
             raise ValueError("a host state is restored into a claim that shares no pages")
         self.memory.extend(claim, state.at)
         pages = claim.lease.pages if isinstance(kv, PagedStore) and claim.lease is not None else None
-        rows = {(i, name): host for i, name, host in state.rows}
-        fixed = {(i, name): host for i, name, host in state.fixed}
-        tail_start = state.at // promote * promote if promote else 0
-        tail, fixed_copies, marks = [], [], []
         self._harvest()
-        with self.lane.copying(), kv.aside():
-            timer = self.lane.timer()
-            index = self.lane.index(pages) if pages else None
-            for i, layer in enumerate(kv.layout.layers):
-                for spec in layer.fixed:
-                    kv.write_fixed(i, spec.name, claim.slot, fixed[i, spec.name], non_blocking=self.pin)
-                    if promote is not None:
-                        copy = kv.fixed(i, spec.name, claim.slot).clone()
-                        fixed_copies.append((i, spec.name, self.lane.share(copy)))
-                for spec in layer.rows:
-                    self._put(claim, i, spec, rows[i, spec.name], pages, index)
-                    if promote is not None:
-                        copy = self._tail(claim, i, spec, state.at, tail_start, pages)
-                        tail.append((i, spec.name, self.lane.share(copy)))
-                marks.append((i, self.lane.mark()))
-            timer.stop()
-        for i, mark in marks:
-            if mark is not None:
-                kv.arriving(i, mark, claim.slot)
-        if marks and marks[-1][1] is not None:
-            self.arena.fence(_tensors(state), marks[-1][1])   # dropped meanwhile, its memory waits for the copies
+        if kv.journal is not None:
+            kv.journal.append(HostRestore(state.key, claim.slot, tuple(pages) if pages is not None else None,
+                                          promote))
+        made, timer = restore_host(kv, self.lane, self.arena, state, claim.slot, pages, promote, self.piece_bytes,
+                                   self.pin)
         self._timed_restore(timer, state.nbytes)
         self._served(state)
-        if promote is None:
-            return None
-        return Promoted(tail_start=tail_start, tail=tuple(tail), fixed=tuple(fixed_copies))
-
-    def _tail(self, claim: Claim, layer: int, spec: RowState, at: int, tail_start: int,
-              pages: list[int] | None) -> torch.Tensor:
-        """A device copy of the claim's entries of one row state from row `tail_start` to `at` (on the copy stream,
-        after its restore): the partial last page's, or every entry without pages."""
-        kv = self.memory.kv
-        first, end = tail_start // spec.every, spec.entries(at)
-        if pages is None:
-            return kv.rows(layer, spec.name, claim.slot, at)[first:].clone()
-        per_page = kv.page_rows // spec.every
-        if end == first:
-            return torch.empty((0, *spec.shape), dtype=DTYPES[spec.dtype], device=kv.device)
-        return kv.row_pages(layer, spec.name)[pages[first // per_page], : end - first].clone()
-
-    def _put(self, claim: Claim, layer: int, spec: RowState, host: torch.Tensor, pages: list[int] | None,
-             index: torch.Tensor | None) -> None:
-        """Entries [0, len(host)) of one row state into the claim: whole pages in pieces of up to `piece_bytes`,
-        each one copy to the device and one index_copy_ into the pages; then the partial last page in place."""
-        kv = self.memory.kv
-        entries = host.shape[0]
-        if not entries:
-            return
-        if pages is None:
-            step = max(1, self.piece_bytes // spec.entry_bytes)
-            for first in range(0, entries, step):
-                piece = self.lane.to_device(host[first: first + step])
-                kv.write_rows(layer, spec.name, claim.slot, first * spec.every, piece)
-            return
-        per_page = kv.page_rows // spec.every
-        if -(-entries // per_page) > len(pages):
-            raise IndexError(f"a restore writes {spec.name!r} entry {entries - 1}; the claim's {len(pages)} pages "
-                             f"hold {len(pages) * per_page}")
-        target = kv.row_pages(layer, spec.name)
-        full = entries // per_page
-        step = max(1, self.piece_bytes // (per_page * spec.entry_bytes))
-        for first in range(0, full, step):
-            count = min(step, full - first)
-            piece = self.lane.to_device(host[first * per_page: (first + count) * per_page])
-            target.index_copy_(0, index[first: first + count], piece.view(count, per_page, *spec.shape))
-        if entries > full * per_page:
-            target[pages[full], : entries - full * per_page].copy_(host[full * per_page:], non_blocking=self.pin)
+        return made
 
     def restore_bytes(self, state: HostState) -> int:
         """Bytes a restore of `state` copies: all of it."""
@@ -305,7 +246,3 @@ class HostTier(TimedRestores, Tier[HostState]):
                 "host_restore_bytes_per_s": round(self.rate.value),
                 **{f"host_arena_{k}": v for k, v in self.arena.describe().items()}}
 
-
-def _tensors(state: HostState) -> list[torch.Tensor]:
-    """Every host tensor of a state."""
-    return [tensor for part in (state.rows, state.fixed) for _, _, tensor in part]

@@ -38,6 +38,7 @@ class KeptState:
     why: frozenset[str] = frozenset()
     passed: bool = False
     partition: str = ""
+    key: int = 0              # at TP above 1: rank 0's name for it in the journal (tiers/mirror.py)
 
     @property
     def copy_bytes(self) -> int:
@@ -61,6 +62,7 @@ class HostState:
     hits: int = 0
     partition: str = ""
     landed: object | None = attrs.field(default=None, repr=False)  # on CUDA: its copies in are done at this event
+    key: int = 0              # at TP above 1: rank 0's name for it in the journal (tiers/mirror.py)
 
     @property
     def pages(self) -> tuple[int, ...]:
