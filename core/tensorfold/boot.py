@@ -43,7 +43,7 @@ from tensorfold.settings import Settings
 from tensorfold.shard import Shard
 from tensorfold.startup_checks import DTYPES, all_refusals, layout_refusals, resolve_device
 from tensorfold.tiers.device import DeviceTier
-from tensorfold.tiers.disk import DISK_RESERVE_BYTES, DiskTier
+from tensorfold.tiers.disk import DISK_RESERVE_BYTES, IN_HAND_S, DiskTier
 from tensorfold.tiers.host import HostTier
 from tensorfold.tokenizer import ChatTokenizer
 
@@ -226,11 +226,16 @@ def assemble(settings: Settings, family: Family, checkpoint: Checkpoint, declara
         ranks.wait_ready()
     tokenizer = ChatTokenizer(checkpoint.directory, checkpoint.generation, settings.chat_template)
     memory = build_memory(plan, layout, settings, device)
-    disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device) if settings.learn else None
     if ranks is None:
+        disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device) if settings.learn else None
         model = decode_runner(model, memory, plan.parallel, settings)
     else:
-        model = ranks.lead(model, memory.kv)
+        model = ranks.lead(model, memory.kv)    # the disk tier's startup forwards run on every rank through it
+        disk = build_disk(settings, checkpoint, declarations, model, memory, dtype, device, ranks.world) \
+            if settings.learn else None
+        if disk is not None:
+            disk.lead(model)
+            ranks.stop_grace_s += disk.flush_s + IN_HAND_S
         if device.type == "cuda":
             log.info("decode steps run eager at --tensor-parallel-size %d: no CUDA graphs, no launch ahead (the "
                      "Leader offers no tensor-only decode)", ranks.world)
@@ -272,11 +277,12 @@ def assemble(settings: Settings, family: Family, checkpoint: Checkpoint, declara
 
 
 def build_disk(settings: Settings, checkpoint: Checkpoint, declarations: Declarations, model: FamilyModel,
-               memory: StreamMemory, dtype: torch.dtype, device: torch.device) -> DiskTier | None:
+               memory: StreamMemory, dtype: torch.dtype, device: torch.device, world: int = 1) -> DiskTier | None:
     """The disk tier: the probe and the identity, the rows store (refused by name when locked or of another
     format; writing nothing, said once, when the disk is full or read-only; None, said once, when such a disk
     cannot even make --learn-dir), and the payoff rule's inputs measured once: the store's read bandwidth and the
-    model's prefill rate."""
+    model's prefill rate. At TP above 1 `model` is the Leader (the probe and the timed chunk run on every rank),
+    the store is rank 0's part, and --learn-gib and --learn-daily-gib are split between the ranks' stores."""
     from functools import partial
 
     from tensorfold.image import row_offset
@@ -295,12 +301,14 @@ def build_disk(settings: Settings, checkpoint: Checkpoint, declarations: Declara
         return None
 
     chunk = probe_rows(memory, settings.min_chunk, settings.prefill_chunk, settings.context)
-    facts = identity_facts(checkpoint, declarations, dtype, device, probe_hash(model, memory, declarations, chunk))
+    layout = memory.kv.layout
+    facts = identity_facts(checkpoint, declarations, dtype, device, probe_hash(model, memory, declarations, chunk),
+                           layout, world)
     try:
-        store = RowsStore(settings.learn_root, facts, row_offset=partial(row_offset, declarations.layout,
-                                                                         declarations.image),
-                          block_rows=settings.learn_block_rows, cap_bytes=int(settings.learn_gib * GIB),
-                          daily_bytes=None if settings.learn_daily_gib is None else int(settings.learn_daily_gib * GIB),
+        store = RowsStore(settings.learn_root, facts, row_offset=partial(row_offset, layout, declarations.image),
+                          block_rows=settings.learn_block_rows, cap_bytes=int(settings.learn_gib * GIB) // world,
+                          daily_bytes=None if settings.learn_daily_gib is None
+                          else int(settings.learn_daily_gib * GIB) // world,
                           min_free_bytes=int(settings.learn_min_free_gib * GIB))
     except StoreRefused as err:
         raise Refused([Refusal("core", f"--learn-dir: {err}")]) from err

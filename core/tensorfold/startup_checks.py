@@ -67,9 +67,8 @@ def core_refusals(settings: Settings, family: Family, checkpoint: Checkpoint) ->
 
 
 def tp_refusals(settings: Settings) -> list[str]:
-    """What tensor parallelism cannot do yet, and its flags' values: the device and host tiers are mirrored on every
-    rank (tiers/mirror.py), the disk tier is not yet (docs/architecture.md, "Tensor parallelism"), so
-    --learn-conversations is refused; on CUDA each rank needs a device of its own."""
+    """Tensor parallelism's flags' values (every kept-state tier works at any size: tiers/mirror.py,
+    tiers/disk_mirror.py); on CUDA each rank needs a device of its own."""
     world = settings.tensor_parallel
     found = []
     if world < 1:
@@ -77,9 +76,6 @@ def tp_refusals(settings: Settings) -> list[str]:
     if settings.tp_timeout_s <= 0:
         found.append(f"--tp-timeout {settings.tp_timeout_s:g} must be above 0 seconds")
     if world > 1:
-        if settings.learn:
-            found.append(f"--tensor-parallel-size {world} keeps no states on disk yet: leave out "
-                         "--learn-conversations (the device and host tiers work at any size)")
         found += _tp_device_refusals(settings.device, world)
     return found
 

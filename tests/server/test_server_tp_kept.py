@@ -3,7 +3,8 @@ checkpoint: qwen's Gated DeltaNet and GLM's KDA fixed states split by head and G
 Nemotron-H's Mamba2 states, attention pages): a chat's second turn resumes from the state rank 0
 kept at the first turn's history end (usage cached_tokens > 0), from the device tier, or from the host tier alone
 (`--prompt-cache-gib 0`), and every turn's greedy tokens equal those of a `--tp 1` server with every tier off (the
-first turn, a fresh prefill, is thus each family's TP=2 == TP=1 check through a real server). Slow: each server starts its ranks, each of which imports torch."""
+first turn, a fresh prefill, is thus each family's TP=2 == TP=1 check through a real server). Slow: each server
+starts its ranks, each of which imports torch."""
 
 from __future__ import annotations
 

@@ -53,6 +53,17 @@ class Channel:
         self._broadcast(box, "waiting for")
         return box[0]
 
+    def agree(self, ok: bool) -> bool:
+        """Every rank says whether its part of a joint operation succeeded; True only when every one did (the
+        same answer on every rank; RankLost when a rank is gone)."""
+        flags: list[bool | None] = [None] * self.world
+        try:
+            dist.all_gather_object(flags, ok, group=self.group)
+        except Exception as err:
+            raise RankLost(f"rank {self.rank} of {self.world}: agreeing on a disk read failed, a rank is gone "
+                           f"({first_line(err)})") from err
+        return all(flags)
+
     def _broadcast(self, box: list, doing: str) -> None:
         try:
             dist.broadcast_object_list(box, src=0, group=self.group)

@@ -1,5 +1,6 @@
 """Ranks 1..N-1: build the store rank 0 describes, then replay each step it sends until it stops: its store commands
-on the store, its tier commands on this rank's parts of the kept states (tiers/mirror.py)."""
+on the store, its tier commands on this rank's parts of the kept states (tiers/mirror.py), its disk commands on
+this rank's rows store (tiers/disk_mirror.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 
 from tensorfold.family import FamilyModel
 from tensorfold.follow.channel import Channel
-from tensorfold.follow.messages import Start, Step, Stop
+from tensorfold.follow.messages import Apply, Start, Step, Stop
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.layout import Layout
+from tensorfold.tiers.disk_mirror import DISK_COMMANDS, DiskPart
 from tensorfold.tiers.mirror import TIER_COMMANDS, Mirror
 
 log = logging.getLogger(__name__)
@@ -35,21 +37,29 @@ def follow(channel: Channel, model: FamilyModel, layout: Layout, device: torch.d
         raise TypeError(f"rank {channel.rank}: the first message must be Start, got {type(start).__name__}")
     kv = store_for(start, layout, device)
     mirror = Mirror(kv)
+    disk = DiskPart(kv, mirror, channel.rank, channel.agree)
     steps = 0
-    with torch.inference_mode():
-        while True:
-            message = channel.receive()
-            if isinstance(message, Stop):
-                log.info("rank %d: rank 0 stopped after %d steps: %s", channel.rank, steps, message.reason)
-                if at_stop is not None:
-                    at_stop(mirror)
-                return message.reason
-            if not isinstance(message, Step):
-                raise TypeError(f"rank {channel.rank}: expected Step or Stop, got {type(message).__name__}")
-            for command in message.commands:
-                if isinstance(command, TIER_COMMANDS):
-                    mirror.apply(command)
-                else:
-                    command.apply(kv)
-            model.forward(message.plan, kv)
-            steps += 1
+    try:
+        with torch.inference_mode():
+            while True:
+                message = channel.receive()
+                if isinstance(message, Stop):
+                    log.info("rank %d: rank 0 stopped after %d steps: %s", channel.rank, steps, message.reason)
+                    if at_stop is not None:
+                        at_stop(mirror)
+                    return message.reason
+                if not isinstance(message, Step | Apply):
+                    raise TypeError(f"rank {channel.rank}: expected Step, Apply or Stop, got "
+                                    f"{type(message).__name__}")
+                for command in message.commands:
+                    if isinstance(command, TIER_COMMANDS):
+                        mirror.apply(command)
+                    elif isinstance(command, DISK_COMMANDS):
+                        disk.apply(command)
+                    else:
+                        command.apply(kv)
+                if isinstance(message, Step):
+                    model.forward(message.plan, kv)
+                    steps += 1
+    finally:
+        disk.close()

@@ -6,7 +6,7 @@ import torch
 
 from tensorfold.family import FamilyModel
 from tensorfold.follow.channel import Channel, first_line
-from tensorfold.follow.messages import Start, Step, Stop
+from tensorfold.follow.messages import Apply, Start, Step, Stop
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.plan import StepPlan
 from tensorfold.shard import RankLost
@@ -51,12 +51,24 @@ class Leader:
             raise RankLost(f"rank 0's forward raised at TP={self.channel.world}; the ranks cannot stay in step: "
                            f"{first_line(err)}") from err
 
+    def flush(self) -> None:
+        """Send the journal now, without a step (a disk read at admission, the disk writes of a shutdown)."""
+        commands, self.kv.journal = tuple(self.kv.journal), []
+        if commands:
+            self.channel.send(Apply(commands))
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank's part of the read just sent succeeded (`ok` is rank 0's)."""
+        return self.channel.agree(ok)
+
     def stop(self, reason: str) -> None:
-        """Tell every follower to return (once; a world already lost is left as it is)."""
+        """Tell every follower to return, after the journal not sent yet (once; a world already lost is left as
+        it is)."""
         if self.stopped:
             return
         self.stopped = True
         try:
+            self.flush()
             self.channel.send(Stop(reason))
         except RankLost:
             pass

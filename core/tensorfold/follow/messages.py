@@ -4,6 +4,8 @@
     Step    before rank 0 runs a forward: the store and tier commands since the last step (kv/journal.py: clear,
             bind, fill, copy; tiers/mirror.py: keep, move, restore, drop), then the StepPlan itself; a follower
             applies the commands in order and runs the same plan
+    Apply   commands that cannot wait for the next step (tiers/disk_mirror.py: a disk read rank 0 starts at
+            admission; the disk writes a shutdown queues), applied in order with no forward
     Stop    rank 0 is stopping (its reason said once in each follower's log); followers return
 
 A follower decides nothing: slots, pages, positions and tokens (the sampled ones included, inside the plan) are all
@@ -41,10 +43,17 @@ class Step:
 
 
 @attrs.frozen
+class Apply:
+    """What rank 0 did to its store and tiers since the last message, to be done now (no plan, no forward)."""
+
+    commands: tuple[Command, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen
 class Stop:
     """Rank 0 stops; its reason, for the followers' logs."""
 
     reason: str
 
 
-Message = Start | Step | Stop
+Message = Start | Step | Apply | Stop

@@ -97,6 +97,7 @@ class Ranks:
             torch.cuda.set_device(device)     # NCCL's communicator runs on the current device
         self.joined: World | None = None
         self.leader: Leader | None = None
+        self.stop_grace_s = STOP_GRACE_S     # longer with the disk tier on: each follower flushes its writes
         self._stopping = threading.Event()
         self._closed = False
         atexit.register(self.close, failure="the server exits")  # before multiprocessing's join of its children
@@ -198,9 +199,10 @@ class Ranks:
             if not clean and follower.process.is_alive():
                 follower.process.kill()
         for follower in self.followers:
-            follower.process.join(STOP_GRACE_S)
+            follower.process.join(self.stop_grace_s)
             if follower.process.is_alive():
-                log.warning("tensor parallelism: %s did not exit within %g s: killed", follower.name, STOP_GRACE_S)
+                log.warning("tensor parallelism: %s did not exit within %g s: killed", follower.name,
+                            self.stop_grace_s)
                 follower.process.kill()
                 follower.process.join()
             log.info("tensor parallelism: %s ended: %s", follower.name, ended(follower.process.exitcode))

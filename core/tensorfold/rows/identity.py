@@ -5,7 +5,7 @@ probe, a fixed prompt's state hashed at startup, so that only a server computing
     family       the family's identity hook facts (cache format, dtypes, schedule)
     layout       the Layout digest, the image format and the dtype
     software     torch, triton, fla-core (each or none) and tensorfold versions; the device's name ("cpu" on the
-                 CPU); TP world
+                 CPU); the TP world, and above 1 the rank whose part of each state the store keeps (`tp_rank`)
     probe        sha256 of the images of a fixed prompt's state after its first and second chunk
 
 Beside it, in the same free slot before the engine starts, the prefill rate the payoff rule weighs a read against
@@ -29,11 +29,11 @@ import tensorfold
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.family import Declarations, FamilyModel
 from tensorfold.image import layout_digest, read_out
+from tensorfold.layout import Layout
 from tensorfold.memory import Claim, StreamMemory
 from tensorfold.plan import StepPlan, StreamStep
 
 PROBE_OWNER = "tensorfold-probe"
-TP_WORLD = 1
 T = TypeVar("T")
 
 
@@ -59,11 +59,12 @@ def _version(package: str) -> str:
         return "none"
 
 
-def software_facts(device: torch.device) -> dict[str, str]:
-    """What computes the bits: library versions, the device, the tensor-parallel world."""
+def software_facts(device: torch.device, world: int = 1, rank: int = 0) -> dict[str, str]:
+    """What computes the bits: library versions, the device, the tensor-parallel world (and above 1, the rank)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"torch": torch.__version__, "triton": _version("triton"), "fla-core": _version("fla-core"),
-            "tensorfold": tensorfold.__version__, "device": name, "tp_world": str(TP_WORLD)}
+    facts = {"torch": torch.__version__, "triton": _version("triton"), "fla-core": _version("fla-core"),
+             "tensorfold": tensorfold.__version__, "device": name, "tp_world": str(world)}
+    return facts if world == 1 else {**facts, "tp_rank": str(rank)}
 
 
 @contextmanager
@@ -132,12 +133,13 @@ def prefill_rate(model: FamilyModel, memory: StreamMemory, rows: int, runs: int 
 
 
 def identity_facts(checkpoint: Checkpoint, declarations: Declarations, dtype: torch.dtype, device: torch.device,
-                   probe: str) -> dict[str, str]:
-    """Every fact the rows store's identity hash covers (rows/api.py identity_hash)."""
+                   probe: str, layout: Layout | None = None, world: int = 1) -> dict[str, str]:
+    """Every fact the rows store's identity hash covers (rows/api.py identity_hash); `layout` rank 0's own at TP
+    above 1 (every rank's is alike), the family's at TP=1."""
     image = declarations.image
-    facts: dict[str, str] = {**checkpoint_facts(checkpoint), **software_facts(device)}
+    facts: dict[str, str] = {**checkpoint_facts(checkpoint), **software_facts(device, world)}
     facts |= {f"family.{key}": value for key, value in sorted(declarations.identity.items())}
-    facts |= {"layout": layout_digest(declarations.layout), "image": f"{image.name}/{image.version}",
+    facts |= {"layout": layout_digest(layout or declarations.layout), "image": f"{image.name}/{image.version}",
               "dtype": str(dtype).removeprefix("torch."), "probe": probe}
     return facts
 

@@ -170,6 +170,20 @@ class RowsStore:
                 break
         return found
 
+    def exact(self, tokens: Sequence[int], cuts: Sequence[int], partition: str = "") -> StateEntry | None:
+        """The state kept for exactly `tokens` cut at `cuts` in `partition`, if any (a follower's part of the state
+        rank 0 chose: tiers/disk_mirror.py)."""
+        at, want = len(tokens), tuple(cuts)
+        if at < 1:
+            return None
+        hexed = Chain(self.identity, self.block_rows, tokens, partition).at(at).hex()
+        with self._lock:
+            for key in self._own.by_chain.get(hexed, ()):
+                entry = self._own.states[key]
+                if entry.at == at and tuple(entry.cuts) == want:
+                    return entry
+        return None
+
     def read(self, entry: StateEntry, use: bool = True, put: Put | None = None,
              into: Into | None = None) -> StateImage:
         """The state's image, every byte verified; on any failure the state is forgotten, counted, and Damaged

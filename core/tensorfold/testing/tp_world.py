@@ -1,6 +1,8 @@
 """Real tensor-parallel worlds for tests: each rank a spawned process joined over gloo on the loopback, rank 0
 serving requests through the Engine (with kept-state tiers when the Job gives them budgets) and its followers
-replaying its steps (follow/); each follower saves the keys of its kept parts when rank 0 stops."""
+replaying its steps (follow/); each follower saves the keys of its kept parts when rank 0 stops. With a
+`learn_dir`, rank 0 also keeps states on disk (each rank its own part, tiers/disk_mirror.py), its identity probed
+through the Leader as `serve` does, and a read always preferred to a prefill."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import socket
 import traceback
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -18,21 +21,25 @@ import torch
 from tensorfold.checkpoint import Checkpoint
 from tensorfold.engine.api import Sampling
 from tensorfold.engine.runner import Engine
-from tensorfold.family import FamilyModel
+from tensorfold.family import Family, FamilyModel
 from tensorfold.follow.channel import join, leave
 from tensorfold.follow.follower import follow
 from tensorfold.follow.leader import Leader
 from tensorfold.follow.rank import load_rank
+from tensorfold.image import row_offset
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.memory import StreamMemory
 from tensorfold.plan import StepPlan
 from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
+from tensorfold.rows.identity import identity_facts, prefill_rate, probe_hash
+from tensorfold.rows.store import RowsStore
 from tensorfold.service import EngineDead
 from tensorfold.shard import SINGLE
 from tensorfold.testing.engine_gates import Client, running
 from tensorfold.tiers.device import DeviceTier
+from tensorfold.tiers.disk import DiskTier
 from tensorfold.tiers.host import HostTier
 from tensorfold.tiers.mirror import Mirror
 from tensorfold.tiers.states import HostState, KeptState
@@ -57,6 +64,8 @@ class Job:
     host_bytes: int = 0                # the host tier's budget on rank 0 (0: off)
     together: bool = True              # also serve every prompt at once after serving them one by one
     paged: bool = True                 # False: one window per slot (TF_KV_PAGES=0)
+    learn_dir: Path | None = None      # the disk tier's --learn-dir (None: off)
+    learn_block_rows: int = 8
 
 
 def free_port() -> int:
@@ -157,10 +166,13 @@ def _run_rank(rank: int, world: int, port: int, job: Job, out: Path) -> None:
                               None)
     recorder = Recorder(model)
     served = Leader(recorder, memory.kv, joined.channel) if joined is not None else recorder
+    disk = learning(job, family, checkpoint, served, memory, world) if job.learn_dir is not None else None
+    recorder.rows.clear()
+    recorder.decode_rows.clear()
     device = DeviceTier(memory, job.device_bytes) if job.device_bytes else None
     host = HostTier(memory, job.host_bytes) if job.host_bytes else None
     engine = Engine(served, memory, prefill_chunk=job.chunk, context=job.context, max_waiting=64, tier=device,
-                    host=host)
+                    host=host, disk=disk)
     with running(engine):
         alone = serve(engine, job.prompts, job.max_tokens, together=False)
         logits, decode_logits = list(recorder.rows), list(recorder.decode_rows)
@@ -169,13 +181,30 @@ def _run_rank(rank: int, world: int, port: int, job: Job, out: Path) -> None:
     result = {"alone": alone, "together": together, "logits": logits, "decode_logits": decode_logits,
               "failure": engine.failure,
               "tiers": kept.describe() if kept is not None else {},
-              "keys": {tier.name: sorted(s.key for s in tier.states) for tier in kept.tiers} if kept else {}}
+              "keys": {tier.name: sorted(s.key for s in tier.states) for tier in kept.ram} if kept else {}}
     torch.save(result, out / "rank0.pt")
     if engine.failure is not None:      # the world is lost: nothing to stop or tear down in step
         return
     if isinstance(served, Leader):
         served.stop("the test is done")
     leave()
+
+
+def learning(job: Job, family: Family, checkpoint: Checkpoint, served: FamilyModel, memory: StreamMemory,
+             world: int) -> DiskTier:
+    """Rank 0's disk tier over `job.learn_dir`, its identity probed through `served` (the Leader at TP above 1),
+    reads always preferred; at TP above 1 the followers open their own stores (DiskTier.lead)."""
+    declarations = family.declare(checkpoint.config, torch.float32)
+    layout = memory.kv.layout
+    probe = probe_hash(served, memory, declarations, job.chunk)
+    facts = identity_facts(checkpoint, declarations, torch.float32, memory.kv.device, probe, layout, world)
+    store = RowsStore(job.learn_dir, facts, row_offset=partial(row_offset, layout, declarations.image),
+                      block_rows=job.learn_block_rows, cap_bytes=(1 << 30) // world, min_free_bytes=0)
+    prefill_rate(served, memory, job.chunk, runs=1)      # the forwards `serve` times at startup, on every rank
+    disk = DiskTier(memory, store, declarations.image, read_bytes_per_s=1e15, prefill_rows_per_s=1e-3)
+    if isinstance(served, Leader):
+        disk.lead(served)
+    return disk
 
 
 def run_world(world: int, job: Job, out: Path, join_s: float = 300.0) -> tuple[dict, list[int | None]]:

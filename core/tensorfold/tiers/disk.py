@@ -22,6 +22,10 @@ evictions and restarts.
     close   at shutdown the states still kept on the device and the host are staged too (most recently used
             first), and the queue is flushed within `flush_s` seconds; what is left is dropped, and the log says
             how many were written and dropped
+    TP > 1  (`lead`) every rank keeps its own part of each state in its own rows store; rank 0 decides, and records
+            each setup, write and read in the store's journal for its followers (tiers/disk_mirror.py); a read is
+            sent at once and every rank votes on it: when any part fails, every rank forgets the state and rank 0
+            clears the claim, so the request prefills (or falls back) the same on every rank
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from tensorfold.rows.api import Damaged, StateEntry, StoreStats
 from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
 from tensorfold.tiers.arena import HostArena
+from tensorfold.tiers.disk_mirror import DiskRead, DiskSetup, Ranks, stage_command
 from tensorfold.tiers.lanes import Lane
 from tensorfold.tiers.staged import CopiesView, Staged, from_slot, from_state
 from tensorfold.tiers.states import DiskState, HostState, KeptState
@@ -89,33 +94,53 @@ class DiskTier:
         self._deadline: float | None = None
         self._at_shutdown = (0, 0)
         self._closed = False
+        self.stage_bytes = stage_bytes
+        self.reserve = reserve
+        self.ranks: Ranks | None = None
         self.writer: Writer[Staged] = Writer(self._write, lambda job: job.nbytes, stage_bytes)
+
+    def lead(self, ranks: Ranks) -> None:
+        """At TP above 1: open every follower's own rows store (its part of each state) and mirror from now on."""
+        store = self.store
+        self.ranks = ranks
+        self._journal().append(DiskSetup(str(store.root), store.facts, store.block_rows, store.cap_bytes,
+                                         store.daily_bytes, store.min_free_bytes, self.fmt, self.stage_bytes,
+                                         self.reserve, self.flush_s))
+        ranks.flush()
+
+    def _journal(self) -> list:
+        journal = self.memory.kv.journal
+        if journal is None:
+            raise RuntimeError("the disk tier leads followers only over a store that keeps a journal")
+        return journal
 
     # -- taking states in ---------------------------------------------------------------------------------------
 
     def take(self, state: KeptState | HostState, spare: object | None = None) -> bool:
         """Stage a state a faster tier lets go and queue it for the I/O thread; False when the queue is full or the
         store writes nothing (a full or read-only disk at startup: nothing is staged)."""
-        return self.store.writes_off is None and self._queue(self.stage(state))
+        return self.store.writes_off is None and self._queue(self.stage(state), state.key)
 
     def keep_from(self, claim: Claim, tokens: tuple[int, ...], cuts: tuple[int, ...],
                   why: frozenset[str] = frozenset(), partition: str = "") -> bool:
         """Stage the state a slot holds at `len(tokens)` (no faster tier took it), kept in `partition`, and queue
         it; False as `take` says."""
         return self.store.writes_off is None and self._queue(
-            from_slot(self.memory.kv, self.lane, self.arena, claim, tokens, cuts, why, partition))
+            from_slot(self.memory.kv, self.lane, self.arena, claim, tokens, cuts, why, partition), 0, claim)
 
     def stage(self, state: KeptState | HostState, used: float | None = None) -> Staged:
         """Host copies of a device or host state (tiers/staged.py); `used` its last use, when not now."""
         return from_state(self.memory.kv, self.lane, self.arena, state, used)
 
-    def _queue(self, staged: Staged) -> bool:
+    def _queue(self, staged: Staged, key: int, claim: Claim | None = None) -> bool:
         if self._deadline is not None:
             queued = self.writer.put_waiting(staged, self._deadline)
         else:
             queued = self.writer.put(staged)
         if queued:
             self.staged += 1
+            if self.ranks is not None:
+                self._journal().append(stage_command(staged, key, claim, self._deadline is not None))
             if self.pin:
                 self.arena.ahead(staged.nbytes)      # room for one more like it, grown off the engine's thread
         elif self._closed or not self.writer.alive:
@@ -235,15 +260,28 @@ class DiskTier:
             return memoryview(self.arena.empty((nbytes,), torch.uint8).numpy())
 
         began = time.perf_counter()
+        sent = False
+        error: Exception | None = None
         try:
             self.memory.extend(claim, state.at)
+            sent = self._send_read(state, claim.slot)
             image = self.store.read(state.entry, put=put, into=into)
             if image.at != state.at:
                 raise Damaged(f"the state file says at {image.at}, its index entry {state.at}")
             read_s = time.perf_counter() - began
             put_back(kv, claim.slot, image, self.fmt, start=done[0])
         except (Damaged, OSError, ValueError) as err:
-            self._failed(state, owner, err)
+            error = err
+        if self.ranks is not None:
+            if sent:
+                self._journal().clear()   # what rank 0's read recorded (put_back's clear): each rank's read does it
+            else:
+                self._send_read(state, -1)
+            if not self.ranks.agree(error is None) and error is None:
+                self.store.remove(state.entry.key)      # another rank's part failed: forgotten on every rank
+                error = Damaged("another rank's part of it failed its read (every rank forgets it)")
+        if error is not None:
+            self._failed(state, owner, error)
             self.memory.reset(claim)
             return None
         if kv.device.type == "cuda":
@@ -256,6 +294,14 @@ class DiskTier:
                  _size(state.entry.nbytes / max(seconds, 1e-9)))
         self._measured(state, seconds)
         return state.at
+
+    def _send_read(self, state: DiskState, slot: int) -> bool:
+        """At TP above 1: send the journal and the read to every follower now (they read while rank 0 does)."""
+        if self.ranks is None:
+            return False
+        self._journal().append(DiskRead(state.tokens, state.cuts, state.partition, slot))
+        self.ranks.flush()
+        return True
 
     def _measured(self, state: DiskState, seconds: float) -> None:
         """A resume from `state` took `seconds` (read, verify and put back): the read rate moves toward it; counted
@@ -272,7 +318,8 @@ class DiskTier:
 
     def restore(self, state: DiskState, claim: Claim, owner: str = "") -> int:
         """Read a state and put it into a fresh claim (no shared pages); the rows resumed, or 0 when the read
-        failed verification (counted; the store has forgotten it; the slot is cleared and the request prefills)."""
+        failed verification (counted; the store has forgotten it; the slot is cleared and the request prefills).
+        Rank 0's part alone: the engine resumes through `load`, which every rank of a TP world follows."""
         image = self.read(state, owner)
         return 0 if image is None else self.put(state, image, claim, owner)
 
@@ -330,8 +377,11 @@ class DiskTier:
         if self.store.writes_off is not None:
             return 0
         began = time.time()
-        return sum(1 for rank, state in enumerate(states)
-                   if self._queue(self.stage(state, used=began - rank * SPILL_STEP_S)))
+        spilled = sum(1 for rank, state in enumerate(states)
+                      if self._queue(self.stage(state, used=began - rank * SPILL_STEP_S), state.key))
+        if self.ranks is not None:
+            self.ranks.flush()          # the followers stage and write their parts while rank 0 writes its own
+        return spilled
 
     def close(self) -> None:
         """Flush the queue within the shutdown deadline, stop the I/O thread once the state in hand is written,

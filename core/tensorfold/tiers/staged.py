@@ -8,11 +8,11 @@ from __future__ import annotations
 import attrs
 import torch
 
-from tensorfold.kv import KvStore
+from tensorfold.kv import KvStore, PagedStore
 from tensorfold.layout import Layout
 from tensorfold.memory import Claim
 from tensorfold.tiers.arena import HostArena
-from tensorfold.tiers.copy_out import kept_out, slot_out
+from tensorfold.tiers.copy_out import kept_out, slot_pages_out
 from tensorfold.tiers.lanes import Lane
 from tensorfold.tiers.states import HostState, KeptState, tensor_bytes
 
@@ -74,9 +74,17 @@ def from_slot(kv: KvStore, lane: Lane, arena: HostArena, claim: Claim, tokens: t
               piece_bytes: int = PIECE_BYTES) -> Staged:
     """Host copies of the state a slot holds at `len(tokens)` (the end of its last step), copied out on the lane
     (tiers/copy_out.py: the host never waits; the I/O thread waits for `landed`)."""
-    out = slot_out(kv, lane, arena, claim, len(tokens), piece_bytes)
+    pages = claim.lease.pages if isinstance(kv, PagedStore) and claim.lease is not None else None
+    return from_pages(kv, lane, arena, claim.slot, pages, tokens, cuts, why, partition, piece_bytes)
+
+
+def from_pages(kv: KvStore, lane: Lane, arena: HostArena, slot: int, pages: list[int] | None,
+               tokens: tuple[int, ...], cuts: tuple[int, ...], why: frozenset[str], partition: str = "",
+               piece_bytes: int = PIECE_BYTES) -> Staged:
+    """`from_slot` over the slot's `pages` (None: a window store): a follower, which holds no leases, names them."""
+    out = slot_pages_out(kv, lane, arena, slot, pages, len(tokens), piece_bytes)
     return Staged(tokens=tokens, cuts=cuts, why=frozenset(why), rows=_by_name(out.rows), fixed=_by_name(out.fixed),
-                  partition=partition, landed=out.publish(kv, arena, claim.slot))
+                  partition=partition, landed=out.publish(kv, arena, slot))
 
 
 def from_state(kv: KvStore, lane: Lane, arena: HostArena, state: KeptState | HostState, used: float | None = None,

@@ -10,7 +10,8 @@ import shutil
 import pytest
 from rows_cases import DAY, FACTS, Clock, files, image, open_store, tokens, write
 
-from tensorfold.rows.payoff import hash_rate, observed_rate, overlapped_rate, sequential_read_rate, should_read
+from tensorfold.rows import probe
+from tensorfold.rows.payoff import observed_rate, overlapped_rate, should_read
 
 BIG = 1 << 40
 
@@ -127,8 +128,14 @@ def test_read_bandwidth_is_measured_on_the_store_and_leaves_nothing(tmp_path):
         rate = store.read_bandwidth(1 << 20)
         assert rate > 0 and math.isfinite(rate)
         assert files(tmp_path, ".part") == []
-    # the estimate counts the hashing a read does: never above either step alone (measured again: loosely)
-    assert rate < 2 * min(sequential_read_rate(tmp_path, 1 << 20), hash_rate(1 << 20))
+
+
+def test_the_read_estimate_is_the_slower_of_the_read_and_its_hash(tmp_path, monkeypatch):
+    """A state's reader runs ahead of its hashing thread: the estimate is whichever of the two is slower."""
+    for read, hashed in ((8e8, 3e8), (2e8, 9e8)):
+        monkeypatch.setattr(probe, "sequential_read_rate", lambda directory, nbytes, rate=read: rate)
+        monkeypatch.setattr(probe, "hash_rate", lambda nbytes, rate=hashed: rate)
+        assert probe.read_rate(tmp_path, 1 << 20, 0, writes=True) == (min(read, hashed), None)
 
 
 def test_rates_of_steps_side_by_side_and_a_rate_learned_from_resumes():

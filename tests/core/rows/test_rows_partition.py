@@ -100,3 +100,17 @@ def test_a_partition_word_that_is_no_digest_is_forgotten_at_startup(tmp_path):
     rewrite_partition(path, "salt a")
     with open_store(tmp_path) as store:
         assert store.stats().damaged == 1 and store.entries() == [] and not path.exists()
+
+
+def test_exact_finds_the_state_for_exactly_its_tokens_cuts_and_partition(tmp_path):
+    """A follower finds its part of the state rank 0 chose by tokens, cuts and partition (tiers/disk_mirror.py)."""
+    prompt = tokens(1, 40)
+    with open_store(tmp_path) as store:
+        shared = write(store, prompt, 20)
+        salted = salted_write(store, prompt)
+        assert store.exact(prompt[:20], shared.cuts).key == shared.key
+        assert store.exact(prompt[:20], CUTS, A).key == salted.key
+        assert store.exact(prompt[:20], CUTS, B) is None
+        assert store.exact(prompt[:19], tuple(c for c in CUTS if c <= 19), A) is None      # not kept at 19
+        assert store.exact(prompt[:20], (8, 20), A) is None                                # cut otherwise
+        assert store.exact((), ()) is None

@@ -1,0 +1,71 @@
+"""The disk tier through `tensorfold serve --tp 2 --learn-conversations` (real processes, the openai client, qwen's
+tiny hybrid checkpoint): a server answers a chat's first turn and is stopped with SIGTERM, which writes every
+rank's part of the state kept at the turn's history end (rank 0's in --learn-dir, rank 1's in `rank-1/` below it);
+a new `--tp 2` server on the same directory resumes the second turn from disk (usage cached_tokens, /memory and
+/metrics say disk) with the greedy tokens of a `--tp 1` server with every tier off; a `--tp 1` server on the same
+directory reads none of it (its identity names another TP world). Slow: each server starts its ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_server_tp import client_of
+
+from tensorfold.plugins import load_families
+from tensorfold.testing.process import serving
+
+FLAGS = ("--family", "qwen", "--context", "256", "--parallel", "2", "--prefill-chunk", "32", "--min-chunk", "8",
+         "--page-rows", "16")
+OFF = ("--prompt-cache-gib", "0", "--host-cache-gib", "0")
+SYSTEM = {"role": "system", "content": "You answer briefly."}
+TURNS = ("Name three rivers of France.", "And three of Spain?")
+
+
+def ask(client: openai.OpenAI, messages: list[dict]) -> tuple[list[int], str, int]:
+    """One greedy turn: its token ids, its text and its cached prompt tokens."""
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = reply.choices[0]
+    details = reply.usage.prompt_tokens_details
+    return choice.model_extra["token_ids"], choice.message.content, details.cached_tokens if details else 0
+
+
+def learning(root: Path, tp: str) -> list[str]:
+    return ["--tp", tp, *FLAGS, "--learn-conversations", "--learn-dir", str(root), "--learn-min-free-gib", "0"]
+
+
+@pytest.mark.slow
+def test_a_tp2_server_resumes_from_the_parts_a_tp2_server_wrote_at_sigterm(tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    load_families(["qwen"])["qwen"].make_tiny(model, seed=0)
+    one = [SYSTEM, {"role": "user", "content": TURNS[0]}]
+    with serving([str(model), "--tp", "1", *FLAGS, *OFF], tmp_path / "off.log") as url:
+        plain_first, said, _ = ask(client_of(url), one)
+        two = [*one, {"role": "assistant", "content": said}, {"role": "user", "content": TURNS[1]}]
+        plain_second, _, _ = ask(client_of(url), two)
+    root, log = tmp_path / "learned", tmp_path / "tp2.log"
+    with serving([str(model), *learning(root, "2")], log) as url:
+        assert ask(client_of(url), one)[0] == plain_first
+    text = log.read_text()      # SIGTERM: rank 0 wrote its parts, rank 1 flushed its own before it exited
+    assert "disk tier closed: 2 states written at shutdown" in text and ", 0 dropped" in text, text[-3000:]
+    assert "rank 1: disk parts flushed" in text and "0 dropped" in text.split("rank 1: disk parts flushed")[1]
+    assert len(list(root.glob("*/states/*.st"))) == len(list((root / "rank-1").glob("*/states/*.st"))) == 2
+
+    with serving([str(model), *learning(root, "2")], log) as url:
+        second, _, cached = ask(client_of(url), two)
+        now = httpx.get(f"{url}/memory", timeout=10).json()["now"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert second == plain_second and cached > 0
+    assert now["tiers"]["disk"]["hits"] == 1 and now["tiers"]["disk"]["cached_tokens"] == cached
+    assert now["disk_failed_reads"] == 0 and now["integrity_when_idle"] == "ok"
+    assert 'tensorfold_tier_hits_total{tier="disk"} 1.0' in metrics
+    assert "from disk" in log.read_text() and "Traceback" not in log.read_text()
+
+    with serving([str(model), *learning(root, "1")], tmp_path / "tp1.log") as url:
+        alone, _, cached = ask(client_of(url), two)
+        now = httpx.get(f"{url}/memory", timeout=10).json()["now"]
+    assert alone == plain_second and cached == 0 and now["tiers"]["disk"]["hits"] == 0
