@@ -9,7 +9,6 @@ Every rank writes `rank{r}.pt`: the logits of every step of every path and every
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.shard import SINGLE
 from tensorfold.testing import kit
-from tensorfold.testing.tp_world import free_port
+from tensorfold.testing.tp_world import spawn_ranks
 from tensorfold_qwen.batched import batched_forward
 
 SLOTS, CAPACITY, PAGE_ROWS = 4, 160, 16
@@ -113,18 +112,7 @@ def run_world(world: int, models: tuple[Path, ...], out: Path, join_s: float = 3
     if world == 1:
         run_rank(0, 1, 0, models, out)
     else:
-        port = free_port()
-        context = multiprocessing.get_context("spawn")
-        procs = [context.Process(target=run_rank, args=(rank, world, port, models, out), daemon=True)
-                 for rank in range(world)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(join_s)               # a guard against a hang, not a measurement
-        codes = [proc.exitcode for proc in procs]
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+        codes = spawn_ranks(run_rank, world, (models, out), join_s)
         errors = [path.read_text() for path in sorted(out.glob("*.error"))]
         assert codes == [0] * world and not errors, (codes, errors)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]

@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -213,20 +213,26 @@ def run_world(world: int, job: Job, out: Path, join_s: float = 300.0) -> tuple[d
     if world == 1:
         run_rank(0, 1, 0, job, out)
         return torch.load(out / "rank0.pt"), [0]
+    codes = spawn_ranks(run_rank, world, (job, out), join_s)
+    found = out / "rank0.pt"
+    return (torch.load(found) if found.exists() else {}), codes
+
+
+def spawn_ranks(target: Callable[..., None], world: int, args: tuple, join_s: float = 300.0) -> list[int | None]:
+    """`target(rank, world, port, *args)` in one spawned process per rank, joined on a free local port; their exit
+    codes (a rank still running after `join_s`, a guard against a hang and not a measurement, is killed)."""
     port = free_port()
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=run_rank, args=(rank, world, port, job, out), daemon=True)
-             for rank in range(world)]
+    procs = [context.Process(target=target, args=(rank, world, port, *args), daemon=True) for rank in range(world)]
     for proc in procs:
         proc.start()
     for proc in procs:
-        proc.join(join_s)               # a guard against a hang, not a measurement
+        proc.join(join_s)
     codes = [proc.exitcode for proc in procs]
     for proc in procs:
         if proc.is_alive():
             proc.kill()
-    found = out / "rank0.pt"
-    return (torch.load(found) if found.exists() else {}), codes
+    return codes
 
 
 def tp1_and_tp2(job: Job, out: Path) -> tuple[dict, list[dict]]:
