@@ -67,3 +67,18 @@ def identity_hash(facts: Mapping[str, str]) -> str:
 
     text = json.dumps(dict(sorted(facts.items())), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def why_skipped(before: StoreStats, after: StoreStats) -> str:
+    """Why the store wrote nothing of a state, from its counters before and after the write (for the log)."""
+    if after.skipped_daily > before.skipped_daily:
+        return "the day's write budget (--learn-daily-gib) is spent"
+    if after.skipped_floor > before.skipped_floor:
+        return "free disk space is below --learn-min-free-gib: writing pauses, serving goes on"
+    if after.skipped_cap > before.skipped_cap:
+        return "the state alone is larger than --learn-gib"
+    if after.write_failed > before.write_failed:
+        return "the file system refused the write"
+    if after.evicted > before.evicted:
+        return "--learn-gib evicted it as soon as it was written: every state it keeps was used more recently"
+    return "the store skipped it"

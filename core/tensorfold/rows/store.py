@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from collections import Counter
@@ -23,6 +22,7 @@ import attrs
 from tensorfold.image import StateImage
 from tensorfold.rows.api import Damaged, StateEntry, StoreRefused, StoreStats, identity_hash
 from tensorfold.rows.assemble import Into, Put, assemble
+from tensorfold.rows.caps import cap_reason, evict_lru
 from tensorfold.rows.files import (
     BLOCK,
     STATE,
@@ -356,17 +356,8 @@ class RowsStore:
 
     def _skipped(self, state_bytes: int, new_bytes: int) -> bool:
         """Whether a write of `new_bytes` new bytes (a state of `state_bytes`) is skipped by a cap; counted."""
-        if state_bytes > self.cap_bytes:
-            return self._skip("skipped_cap", f"a state of {state_bytes} bytes is larger than --learn-gib "
-                              f"({self.cap_bytes} bytes): it stays in RAM only")
-        if self.daily_bytes is not None and self._budget.spent() + new_bytes > self.daily_bytes:
-            return self._skip("skipped_daily", f"--learn-daily-gib ({self.daily_bytes} bytes) is spent for "
-                              f"{self._budget.today()} UTC: states stay in RAM only until tomorrow")
-        free = shutil.disk_usage(self.directory).free
-        if free - new_bytes < self.min_free_bytes:
-            return self._skip("skipped_floor", f"{free} bytes free on {self.directory}; writing {new_bytes} would "
-                              f"leave less than --learn-min-free-gib ({self.min_free_bytes}): states stay in RAM only")
-        return False
+        found = cap_reason(self, self._budget, state_bytes, new_bytes)
+        return found is not None and self._skip(*found)
 
     def _skip(self, counter: str, why: str) -> bool:
         self._counts[counter] += 1
@@ -386,23 +377,8 @@ class RowsStore:
             log.warning("rows store: could not record the day's writes in %s: %s", self._budget.path, error)
 
     def _evict(self, keep: Collection[str]) -> None:
-        """Remove least recently used states of every identity (never a state being read), each with the blocks
-        it leaves unlisted (except `keep`: blocks a write in progress relies on), until every identity's bytes fit
-        `cap_bytes`; then unlisted blocks. The caller holds the lock."""
-        shelves = [self._own, *self._others]
-        total = sum(s.bytes for s in shelves)
-        if total <= self.cap_bytes:
-            return
-        order = sorted((e.used, i, n, k) for i, s in enumerate(shelves) for n, (k, e) in enumerate(s.states.items())
-                       if k not in self._reading)
-        for _, i, _, key in order:
-            if total <= self.cap_bytes:
-                break
-            total -= shelves[i].drop(key, keep=keep)
-            self._counts["evicted"] += 1
-        if total > self.cap_bytes:
-            for shelf in shelves:
-                shelf.orphans(keep=keep)
+        """Every identity's bytes back within `cap_bytes` (rows/caps.py evict_lru). The caller holds the lock."""
+        self._counts["evicted"] += evict_lru([self._own, *self._others], self._reading, self.cap_bytes, keep)
 
     # -- the rest -------------------------------------------------------------------------------------------------
 

@@ -40,8 +40,9 @@ import torch
 from tensorfold.image import ImageFormat, StateImage, put_back, read_out
 from tensorfold.image_rows import RowsTable, put_rows_part
 from tensorfold.memory import Claim, StreamMemory
+from tensorfold.memory_plan import size
 from tensorfold.pool.pages import PoolCorrupt
-from tensorfold.rows.api import Damaged, StateEntry, StoreStats
+from tensorfold.rows.api import Damaged, StateEntry, why_skipped
 from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
 from tensorfold.tiers.arena import HostArena
@@ -147,7 +148,7 @@ class DiskTier:
             log.warning("not kept on disk at %s: the disk tier is closed", f"{staged.at:,}")
         else:
             log.warning("not kept on disk at %s: %s of states already wait for the disk", f"{staged.at:,}",
-                        _size(self.writer.staged_bytes))
+                        size(self.writer.staged_bytes))
         return queued
 
     # -- the I/O thread -----------------------------------------------------------------------------------------
@@ -162,13 +163,13 @@ class DiskTier:
         after = self.store.stats()
         if entry is None:
             self.skipped += 1
-            log.info("not kept on disk at %s (%s): %s", f"{job.at:,}", reasons, _skip_reason(before, after))
+            log.info("not kept on disk at %s (%s): %s", f"{job.at:,}", reasons, why_skipped(before, after))
             return
         if after.written == before.written:
             self.on_disk_already += 1
             log.debug("already kept at %s (%s) on disk", f"{job.at:,}", reasons)
             return
-        log.info("kept at %s (%s) on disk: %s in %.3f s", f"{job.at:,}", reasons, _size(entry.nbytes),
+        log.info("kept at %s (%s) on disk: %s in %.3f s", f"{job.at:,}", reasons, size(entry.nbytes),
                  time.monotonic() - began)
         if self.verify:
             self._verify(entry, image.to_bytes())
@@ -237,7 +238,7 @@ class DiskTier:
         self.declined += 1
         self.store.count_declined()
         log.info("%s: declined the state at %s on disk: reading %s at %s/s costs more than prefilling %s rows at "
-                 "%s rows/s", owner, f"{entry.at:,}", _size(entry.nbytes), _size(self.read_bytes_per_s),
+                 "%s rows/s", owner, f"{entry.at:,}", size(entry.nbytes), size(self.read_bytes_per_s),
                  f"{saved:,}", f"{self.prefill_rows_per_s:,.0f}")
 
     def load(self, state: DiskState, claim: Claim, owner: str = "") -> int | None:
@@ -290,8 +291,8 @@ class DiskTier:
         self.read_seconds += read_s
         state.read_s = read_s
         log.info("%s: read the state at %s from disk: %s in %.1f ms (%s/s), put back as read", owner,
-                 f"{state.at:,}", _size(state.entry.nbytes), seconds * 1e3,
-                 _size(state.entry.nbytes / max(seconds, 1e-9)))
+                 f"{state.at:,}", size(state.entry.nbytes), seconds * 1e3,
+                 size(state.entry.nbytes / max(seconds, 1e-9)))
         self._measured(state, seconds)
         return state.at
 
@@ -310,8 +311,8 @@ class DiskTier:
         self.read_bytes_per_s = observed_rate(before, state.entry.nbytes, seconds)
         self.restored_bytes += state.entry.nbytes
         self.restore_seconds += seconds
-        log.info("the payoff rule now reads at %s/s (was %s/s): measured on this resume", _size(self.read_bytes_per_s),
-                 _size(before))
+        log.info("the payoff rule now reads at %s/s (was %s/s): measured on this resume", size(self.read_bytes_per_s),
+                 size(before))
         state.hits += 1
         self.hits += 1
         self.cached_tokens += state.at
@@ -338,7 +339,7 @@ class DiskTier:
         self.read_seconds += seconds
         state.read_s = seconds
         log.info("%s: read the state at %s from disk: %s in %.1f ms (%s/s)", owner, f"{state.at:,}",
-                 _size(state.entry.nbytes), seconds * 1e3, _size(state.entry.nbytes / max(seconds, 1e-9)))
+                 size(state.entry.nbytes), seconds * 1e3, size(state.entry.nbytes / max(seconds, 1e-9)))
         return image
 
     def put(self, state: DiskState, image: StateImage, claim: Claim, owner: str = "") -> int:
@@ -446,23 +447,3 @@ class DiskTier:
                 "disk_read_bytes_per_s": round(self.read_bytes_per_s),
                 "disk_prefill_rows_per_s": round(self.prefill_rows_per_s)}
 
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _skip_reason(before: StoreStats, after: StoreStats) -> str:
-    if after.skipped_daily > before.skipped_daily:
-        return "the day's write budget (--learn-daily-gib) is spent"
-    if after.skipped_floor > before.skipped_floor:
-        return "free disk space is below --learn-min-free-gib: writing pauses, serving goes on"
-    if after.skipped_cap > before.skipped_cap:
-        return "the state alone is larger than --learn-gib"
-    if after.write_failed > before.write_failed:
-        return "the file system refused the write"
-    if after.evicted > before.evicted:
-        return "--learn-gib evicted it as soon as it was written: every state it keeps was used more recently"
-    return "the store skipped it"
