@@ -16,7 +16,8 @@ platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 PACKAGES=(fla-core==0.6.0 einops==0.8.2 transformers==5.24.0
   starlette==1.10.0 uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 typer==0.29.2 shellingham==1.5.4
   annotated-doc==0.0.7 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-  typing_extensions==4.16.0 openai==3.57.0 httpx==0.28.1 httpcore==1.0.9 distro==1.9.0 jiter==0.19.0
+  typing_extensions==4.16.0 openai==3.57.0 httpx==0.29.0 httpcore==1.0.9 httpx2==2.16.2 httpcore2==2.16.2
+  truststore==0.10.5 idna==3.20 certifi==2026.10.19.post1 distro==1.9.0 jiter==0.19.0
   llguidance==1.9.1 xxhash==4.1.0 prometheus_client==0.26.0 pluggy==1.7.0 attrs==26.1.0 click==8.5.1 rich==15.0.0
   markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \

@@ -4,6 +4,7 @@ line per kernel group (largest first) and one for the step as a whole, beside th
 
     python bench/profile_decode.py --shape qwen3_5-9b --batch 1 --out $OUT
     python bench/profile_decode.py --shape nemotron_h-30b-a3b --prefill 8192 --out $OUT
+    python bench/profile_decode.py --shape qwen3_5-9b --prefill 8192 --hf --out $OUT    (HF's prefill profiled too)
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--prefill", type=int, help="profile a prefill of this many rows instead")
     parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--hf", action="store_true", help="with --prefill: profile HF's prefill of the same rows too")
     args = parser.parse_args()
     torch.manual_seed(0)
     hf, ours, layout, _, _ = build(args.shape, torch.bfloat16)
+    if args.prefill and args.hf:
+        profile_hf_prefill(args, hf)
     del hf
     if args.prefill:
         return profile_prefill(args, ours, layout)
@@ -88,19 +92,39 @@ def profile_prefill(args: argparse.Namespace, ours, layout) -> None:
                                               sample=a + args.chunk >= args.prefill),)), store)
 
     with torch.inference_mode():
-        run()
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - began) * 1e6
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
+        wall_us, prof = profiled(run)
         syncs = host_syncs(run)
     report(args, kernel_totals(prof, 1), {"bench": "prefill_profile", "shape": args.shape, "rows": args.prefill,
                                           "chunk": args.chunk, "wall_us": round(wall_us, 1), **syncs},
            "prefill_kernel")
+
+
+def profile_hf_prefill(args: argparse.Namespace, hf) -> None:
+    """HF's one-call prefill of --prefill rows (its own cache, the last row's logits), profiled the same way: the
+    peer our kernel groups are read against."""
+    ids = torch.randint(0, hf.config.vocab_size, (1, args.prefill), device="cuda")
+
+    def run() -> None:
+        hf(ids, use_cache=True, logits_to_keep=1)
+
+    with torch.inference_mode():
+        wall_us, prof = profiled(run)
+    report(args, kernel_totals(prof, 1), {"bench": "hf_prefill_profile", "shape": args.shape, "rows": args.prefill,
+                                          "wall_us": round(wall_us, 1)}, "hf_prefill_kernel")
+
+
+def profiled(run) -> tuple[float, torch.profiler.profile]:
+    """`run` once to warm up, once timed (µs, synchronised), once under the profiler."""
+    run()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - began) * 1e6
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return wall_us, prof
 
 
 def host_syncs(run) -> dict:

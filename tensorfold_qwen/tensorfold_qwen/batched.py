@@ -16,6 +16,8 @@ GPU, not assumed. The per-stream forward stays the CPU reference.
 
 from __future__ import annotations
 
+from functools import partial
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -25,11 +27,13 @@ from tensorfold.kernels.gated_delta import chunk_gated_delta, gdn_gate
 from tensorfold.kernels.paged_attention import paged_prefill_varlen
 from tensorfold.kernels.paged_write import row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
+from tensorfold.kernels.upload import ints
 from tensorfold.kv import KvStore
 from tensorfold.plan import StepPlan
 from tensorfold_qwen import decode
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.gdn import GdnWeights, l2norm
+from tensorfold_qwen.mlp import MoeWeights, moe_routed
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
 
@@ -55,6 +59,7 @@ class Rows:
     longer_slots: torch.Tensor      # [len(longer)] long
     longer_of_row: torch.Tensor     # [L] long: each packed row's longer stream (0 .. len(longer) - 1)
     longer_index: torch.Tensor      # [len(longer)] long: the longer streams' indices in the step
+    single_index: torch.Tensor      # [len(single)] long: the one-row streams' indices in the step
     packed_offsets: torch.Tensor    # [len(longer) + 1] int32: `packed` on the device (varlen attention)
     longer_starts: torch.Tensor     # [len(longer)] int32: their first rows' absolute positions
 
@@ -69,8 +74,8 @@ def flatten(plan: StepPlan, device: torch.device) -> Rows:
         offset += len(step.tokens)
     single = tuple(i for i, s in enumerate(plan.streams) if len(s.tokens) == 1)
     longer = tuple(i for i, s in enumerate(plan.streams) if len(s.tokens) > 1)
-    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    as_long = partial(ints, dtype=torch.long, device=device)
+    as_int = partial(ints, dtype=torch.int32, device=device)
     packed, longer_rows, longer_of_row = [0], [], []
     for n, i in enumerate(longer):
         a, b = spans[i]
@@ -85,7 +90,7 @@ def flatten(plan: StepPlan, device: torch.device) -> Rows:
                 **logit_rows(plan, spans, device),
                 longer_rows=as_long(longer_rows), packed=tuple(packed),
                 longer_slots=as_long([plan.streams[i].slot for i in longer]), longer_of_row=as_long(longer_of_row),
-                longer_index=as_long(list(longer)), packed_offsets=as_int(packed),
+                longer_index=as_long(list(longer)), single_index=as_long(list(single)), packed_offsets=as_int(packed),
                 longer_starts=as_int([plan.streams[i].start for i in longer]))
 
 
@@ -105,7 +110,7 @@ def logit_rows(plan: StepPlan, spans: list[tuple[int, int]], device: torch.devic
         if s.sample:
             order.append(k)
             k += 1
-    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    as_long = partial(ints, dtype=torch.long, device=device)
     return {"extra_rows": as_long(extra), "logit_order": as_long(order)}
 
 
@@ -126,13 +131,26 @@ def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
             mixed = attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
         x = x + model.shard.reduce(mixed)                                              # row-parallel: summed
         h = rms_norm(x, layer.post_norm, c.rms_norm_eps, zero_centred=True)
-        x = x + model.shard.reduce(decode.ffn(layer.ffn, h))
+        x = x + model.shard.reduce(ffn(layer.ffn, h, rows))
     last = x[rows.sampled_rows]
     logits = F.linear(rms_norm(last, w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
     if rows.extra_rows is None:
         return logits
     extra = F.linear(rms_norm(x[rows.extra_rows], w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
     return torch.cat([logits, extra]).index_select(0, rows.logit_order)
+
+
+def ffn(w, h: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The feed-forward over the step's rows: a MoE's prefill rows through the experts' prefill tiles, its one-row
+    streams through the decode tiles the captured step uses (a row's bits are the same in any call of one kind)."""
+    if not isinstance(w, MoeWeights) or not rows.longer:
+        return decode.ffn(w, h)
+    if not rows.single:
+        return moe_routed(w, h, kind="prefill")
+    out = torch.empty_like(h)
+    out[rows.single_rows] = moe_routed(w, h[rows.single_rows])
+    out[rows.longer_rows] = moe_routed(w, h[rows.longer_rows], kind="prefill")
+    return out
 
 
 def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) -> torch.Tensor:
@@ -154,12 +172,14 @@ def gdn_chunks(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: Kv
                        for i, a, b in zip(rows.longer, bounds[:-1], bounds[1:], strict=True)])   # [T, C]
     q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
     repeat = NV // c.k_heads
-    q = l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
-    k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float())
+    # q, k normalised in float32, then in the model's dtype like v: what fla's kernels read best (a bf16 model's
+    # chunks run bf16 dots, as HF's fla path does); a float32 model (the checking mode) keeps the exact chunked form.
+    q = (l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
+         ).to(h.dtype)
+    k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()).to(h.dtype)
     g, beta = gdn_gate(proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.A_log, w.dt_bias)   # [T, NV] each
     states = kv.fixed_states(index, RECURRENT)                                         # [slots, NV, DK, DV]
-    # fla's chunked kernels take TF32 dots; a float32 model (the checking mode) keeps the exact chunked form.
-    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim).float(), g, beta,
+    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim), g, beta,
                                    states.index_select(0, rows.longer_slots), cu_seqlens=bounds,
                                    starts=[rows.starts[i] for i in rows.longer],
                                    backend="naive" if h.dtype == torch.float32 else None)
@@ -177,7 +197,7 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, rows: Rows, index: int, k
     page_rows = kv.row_pages(index, KEYS).shape[1]
     if rows.single:
         r = rows.single_rows
-        picked = tables[torch.tensor(rows.single, device=h.device)]
+        picked = tables[rows.single_index]
         positions = rows.positions[r]
         live = torch.ones_like(positions, dtype=torch.bool)
         out[r] = decode.attention(w, c, h[r], positions, picked, row_ids(picked, positions, live, page_rows),

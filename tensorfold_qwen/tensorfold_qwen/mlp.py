@@ -67,8 +67,9 @@ def moe(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     return out + shared_expert(w, x)
 
 
-def moe_routed(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+def moe_routed(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Tensor:
     """`moe` through the kernels' `routed_experts` (a sync-free grouped GEMM on the GPU, capturable in a CUDA
-    graph; the same loop as `moe` on the CPU, bit for bit), plus the shared expert."""
+    graph; the same loop as `moe` on the CPU, bit for bit), plus the shared expert. `kind` picks the experts' tiles:
+    "decode" for one row per stream, "prefill" for a prefill chunk's rows."""
     weights, chosen = route(w, x)
-    return routed_experts(x, chosen, weights, w.gate_up, w.down) + shared_expert(w, x)
+    return routed_experts(x, chosen, weights, w.gate_up, w.down, kind=kind) + shared_expert(w, x)

@@ -143,7 +143,9 @@ def family_state_image(config: Mapping[str, Any], layout: Layout) -> ImageFormat
 @hookimpl
 def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[str, str]:
     c = QwenConfig.from_dict(config)
+    experts = {"experts": "prefill chunks through the prefill tiles, one-row streams the decode tiles"} if c.moe else {}
     return {
+        **experts,
         "format": f"{IMAGE_FORMAT}/{IMAGE_VERSION}",
         "dtype": dtype_name(dtype),
         "schedule": c.schedule,
@@ -152,7 +154,8 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "keys": "post k_norm, post partial RoPE",
         "gdn": f"k_heads={c.k_heads}x{c.k_dim} v_heads={c.v_heads}x{c.v_dim} conv={c.conv_kernel}",
         "gdn_state": f"recurrent float32, conv tail {dtype_name(dtype)} (last {c.conv_kernel - 1} inputs)",
-        "gdn_algorithm": f"chunked {CHUNK} on the absolute grid; 1-token steps recurrent",
+        "gdn_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {dtype_name(dtype)}; 1-token steps "
+                         "recurrent",
     }
 
 

@@ -51,3 +51,31 @@ def test_batched_equals_per_stream(subject):
         name = "recurrent" if kind != "full_attention" else None
         if name:
             assert torch.allclose(reference.fixed_states(layer, name), batched.fixed_states(layer, name), atol=1e-4)
+
+
+def test_moe_rows_take_the_experts_tiles_of_their_kind(subject, monkeypatch):
+    """A MoE step's prefill rows go through the experts' prefill tiles and its one-row streams through the decode
+    tiles the captured decode step uses (the CPU's naive experts have one form for both; which kind each call
+    asks for is what the GPU's bits depend on)."""
+    if not subject.model.config.moe:
+        pytest.skip("a dense model has no experts")
+    from tensorfold_qwen import mlp
+
+    calls = []
+    real = mlp.routed_experts
+
+    def recorded(x, *args, kind="decode", **kwargs):
+        calls.append((x.shape[0], kind))
+        return real(x, *args, kind=kind, **kwargs)
+
+    monkeypatch.setattr(mlp, "routed_experts", recorded)
+    store = subject.store(4, 160, page_rows=16)
+    layers = len(subject.model.config.layer_types)
+    expected = {0: [(47, "prefill")], 1: [(2, "decode"), (64, "prefill")], 2: [(2, "decode"), (30, "prefill")],
+                3: [(3, "decode"), (65, "prefill")], 4: [(2, "decode")], 5: [(1, "decode"), (62, "prefill")]}
+    for step, shares in enumerate(STEPS):
+        calls.clear()
+        plan = StepPlan(tuple(StreamStep(slot, start, tokens(start + length, slot)[start:]) for slot, start, length
+                              in shares))
+        batched_forward(subject.model, plan, store)
+        assert calls == expected[step] * layers, (step, calls)

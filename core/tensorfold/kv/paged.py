@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorfold.kernels.upload import ints
 from tensorfold.kv.base import KvStore
 from tensorfold.kv.journal import Bind, Fill
 from tensorfold.layout import DTYPES, Layout
@@ -56,7 +57,7 @@ class PagedStore(KvStore):
         """The slot's page table on the device."""
         table = self._tables[slot]
         if table is None:
-            table = self._tables[slot] = torch.tensor(self._host_tables[slot], dtype=torch.long, device=self.device)
+            table = self._tables[slot] = ints(self._host_tables[slot], torch.long, self.device)
         return table
 
     def host_table(self, slot: int) -> tuple[int, ...]:
@@ -73,12 +74,9 @@ class PagedStore(KvStore):
 
     def tables(self, slots: list[int]) -> torch.Tensor:
         """The slots' page tables, padded with 0: int32 [len(slots), widest]."""
-        width = max((len(self._host_tables[s]) for s in slots), default=0)
-        out = torch.zeros((len(slots), max(width, 1)), dtype=torch.int32, device=self.device)
-        for i, slot in enumerate(slots):
-            table = self._table(slot)
-            out[i, : table.numel()] = table
-        return out
+        width = max(1, max((len(self._host_tables[s]) for s in slots), default=0))
+        padded = [v for s in slots for v in (*self._host_tables[s], *(0,) * (width - len(self._host_tables[s])))]
+        return ints(padded, torch.int32, self.device).view(len(slots), width)
 
     def fill(self, pages: list[int]) -> None:
         """Poison freshly handed-out pages with NaN (TF_KV_POISON), so a read of an unwritten row shows."""
@@ -87,7 +85,7 @@ class PagedStore(KvStore):
         if self.journal is not None:
             self.journal.append(Fill(pages))
         self.arrived()
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        index = ints(pages, torch.long, self.device)
         for layer in self._pages:
             for state in layer.values():
                 state[index] = float("nan") if state.dtype.is_floating_point else 0

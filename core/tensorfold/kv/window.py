@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorfold.kernels.upload import ints
 from tensorfold.kv.base import KvStore
 from tensorfold.layout import DTYPES, Layout
 
@@ -47,7 +48,7 @@ class WindowStore(KvStore):
 
     def tables(self, slots: list[int]) -> torch.Tensor:
         """Slot s reads page s."""
-        return torch.tensor(slots, dtype=torch.int32, device=self.device).view(-1, 1)
+        return ints(slots, torch.int32, self.device).view(-1, 1)
 
     def host_table(self, slot: int) -> tuple[int, ...]:
         """Slot s's one page, as a host int."""

@@ -3,8 +3,8 @@ evictions and restarts.
 
     in      a state the host tier lets go (the device tier's, with the host tier off; or a keep point every faster
             tier refuses) is staged as host copies and handed to the one I/O thread (rows/writer.py), which makes
-            its image (image.read_out over the copies) and writes it, unless that state is on disk already; the
-            step that let it go never waits on the disk. Copies out of the device go into the tier's arena
+            its image and writes it (tiers/disk_write.py), unless that state is on disk already; the step that
+            let it go never waits on the disk. Copies out of the device go into the tier's arena
             (tiers/arena.py, pinned on CUDA) through its Lane, asynchronously (tiers/copy_out.py): the step never
             waits for them either, and the I/O thread waits for them to land before it reads them
     lookup  after the device and host tiers: the store's longest state a pass over the prompt may resume from
@@ -23,9 +23,9 @@ evictions and restarts.
             first), and the queue is flushed within `flush_s` seconds; what is left is dropped, and the log says
             how many were written and dropped
     TP > 1  (`lead`) every rank keeps its own part of each state in its own rows store; rank 0 decides, and records
-            each setup, write and read in the store's journal for its followers (tiers/disk_mirror.py); a read is
-            sent at once and every rank votes on it: when any part fails, every rank forgets the state and rank 0
-            clears the claim, so the request prefills (or falls back) the same on every rank
+            each setup, write and read in the store's journal for its followers (tiers/disk_mirror.py DiskLeader);
+            a read is sent at once and every rank votes on it: when any part fails, every rank forgets the state
+            and rank 0 clears the claim, so the request prefills (or falls back) the same on every rank
 """
 
 from __future__ import annotations
@@ -37,18 +37,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tensorfold.image import ImageFormat, StateImage, put_back, read_out
+from tensorfold.image import ImageFormat, StateImage, put_back
 from tensorfold.image_rows import RowsTable, put_rows_part
 from tensorfold.memory import Claim, StreamMemory
 from tensorfold.memory_plan import size
 from tensorfold.pool.pages import PoolCorrupt
-from tensorfold.rows.api import Damaged, StateEntry, why_skipped
+from tensorfold.rows.api import Damaged, StateEntry
 from tensorfold.rows.payoff import observed_rate, should_read
 from tensorfold.rows.writer import Writer
 from tensorfold.tiers.arena import HostArena
-from tensorfold.tiers.disk_mirror import DiskRead, DiskSetup, Ranks, stage_command
+from tensorfold.tiers.disk_mirror import DiskLeader, Ranks
+from tensorfold.tiers.disk_write import DiskWrites
 from tensorfold.tiers.lanes import Lane
-from tensorfold.tiers.staged import CopiesView, Staged, from_slot, from_state
+from tensorfold.tiers.staged import Staged, from_slot, from_state
 from tensorfold.tiers.states import DiskState, HostState, KeptState
 from tensorfold.tiers.stats import TierStats
 
@@ -90,30 +91,21 @@ class DiskTier:
         self.read_seconds = 0.0
         self.restored_bytes = 0
         self.restore_seconds = 0.0
-        self.staged = self.on_disk_already = self.skipped = self.verified = self.mismatches = 0
+        self.staged = 0
         self._declining: tuple[StateEntry, int] | None = None
         self._deadline: float | None = None
         self._at_shutdown = (0, 0)
         self._closed = False
         self.stage_bytes = stage_bytes
         self.reserve = reserve
-        self.ranks: Ranks | None = None
-        self.writer: Writer[Staged] = Writer(self._write, lambda job: job.nbytes, stage_bytes)
+        self.leader: DiskLeader | None = None
+        self.writes = DiskWrites(memory.kv, store, fmt, verify)
+        self.writer: Writer[Staged] = Writer(self.writes.write, lambda job: job.nbytes, stage_bytes)
 
     def lead(self, ranks: Ranks) -> None:
         """At TP above 1: open every follower's own rows store (its part of each state) and mirror from now on."""
-        store = self.store
-        self.ranks = ranks
-        self._journal().append(DiskSetup(str(store.root), store.facts, store.block_rows, store.cap_bytes,
-                                         store.daily_bytes, store.min_free_bytes, self.fmt, self.stage_bytes,
-                                         self.reserve, self.flush_s))
-        ranks.flush()
-
-    def _journal(self) -> list:
-        journal = self.memory.kv.journal
-        if journal is None:
-            raise RuntimeError("the disk tier leads followers only over a store that keeps a journal")
-        return journal
+        self.leader = DiskLeader(self.memory.kv, ranks)
+        self.leader.setup(self.store, self.fmt, self.stage_bytes, self.reserve, self.flush_s)
 
     # -- taking states in ---------------------------------------------------------------------------------------
 
@@ -140,8 +132,8 @@ class DiskTier:
             queued = self.writer.put(staged)
         if queued:
             self.staged += 1
-            if self.ranks is not None:
-                self._journal().append(stage_command(staged, key, claim, self._deadline is not None))
+            if self.leader is not None:
+                self.leader.stage(staged, key, claim, self._deadline is not None)
             if self.pin:
                 self.arena.ahead(staged.nbytes)      # room for one more like it, grown off the engine's thread
         elif self._closed or not self.writer.alive:
@@ -150,42 +142,6 @@ class DiskTier:
             log.warning("not kept on disk at %s: %s of states already wait for the disk", f"{staged.at:,}",
                         size(self.writer.staged_bytes))
         return queued
-
-    # -- the I/O thread -----------------------------------------------------------------------------------------
-
-    def _write(self, job: Staged) -> None:
-        job.settle()                               # its copies out of the device have landed
-        began = time.monotonic()
-        image = read_out(CopiesView(self.memory.kv.layout, job), 0, job.at, self.fmt)
-        reasons = ", ".join(sorted(job.why)) or "kept"
-        before = self.store.stats()
-        entry = self.store.write(job.tokens, job.cuts, image, used=job.used, partition=job.partition)
-        after = self.store.stats()
-        if entry is None:
-            self.skipped += 1
-            log.info("not kept on disk at %s (%s): %s", f"{job.at:,}", reasons, why_skipped(before, after))
-            return
-        if after.written == before.written:
-            self.on_disk_already += 1
-            log.debug("already kept at %s (%s) on disk", f"{job.at:,}", reasons)
-            return
-        log.info("kept at %s (%s) on disk: %s in %.3f s", f"{job.at:,}", reasons, size(entry.nbytes),
-                 time.monotonic() - began)
-        if self.verify:
-            self._verify(entry, image.to_bytes())
-
-    def _verify(self, entry: StateEntry, written: bytes) -> None:
-        """TF_IMPRINT_VERIFY: read the state back and compare its bytes with what was written."""
-        try:
-            back = self.store.read(entry, use=False).to_bytes()
-        except Damaged as err:
-            back, problem = b"", str(err)
-        else:
-            problem = "" if back == written else f"{len(back)} bytes read back differ from {len(written)} written"
-        self.verified += 1
-        if problem:
-            self.mismatches += 1
-            log.error("TF_IMPRINT_VERIFY: the state at %s read back wrong: %s", f"{entry.at:,}", problem)
 
     # -- resuming -----------------------------------------------------------------------------------------------
 
@@ -265,7 +221,9 @@ class DiskTier:
         error: Exception | None = None
         try:
             self.memory.extend(claim, state.at)
-            sent = self._send_read(state, claim.slot)
+            if self.leader is not None:
+                self.leader.send_read(state, claim.slot)
+                sent = True
             image = self.store.read(state.entry, put=put, into=into)
             if image.at != state.at:
                 raise Damaged(f"the state file says at {image.at}, its index entry {state.at}")
@@ -273,14 +231,8 @@ class DiskTier:
             put_back(kv, claim.slot, image, self.fmt, start=done[0])
         except (Damaged, OSError, ValueError) as err:
             error = err
-        if self.ranks is not None:
-            if sent:
-                self._journal().clear()   # what rank 0's read recorded (put_back's clear): each rank's read does it
-            else:
-                self._send_read(state, -1)
-            if not self.ranks.agree(error is None) and error is None:
-                self.store.remove(state.entry.key)      # another rank's part failed: forgotten on every rank
-                error = Damaged("another rank's part of it failed its read (every rank forgets it)")
+        if self.leader is not None:
+            error = self.leader.vote(self.store, state, sent, error)
         if error is not None:
             self._failed(state, owner, error)
             self.memory.reset(claim)
@@ -295,14 +247,6 @@ class DiskTier:
                  size(state.entry.nbytes / max(seconds, 1e-9)))
         self._measured(state, seconds)
         return state.at
-
-    def _send_read(self, state: DiskState, slot: int) -> bool:
-        """At TP above 1: send the journal and the read to every follower now (they read while rank 0 does)."""
-        if self.ranks is None:
-            return False
-        self._journal().append(DiskRead(state.tokens, state.cuts, state.partition, slot))
-        self.ranks.flush()
-        return True
 
     def _measured(self, state: DiskState, seconds: float) -> None:
         """A resume from `state` took `seconds` (read, verify and put back): the read rate moves toward it; counted
@@ -380,8 +324,8 @@ class DiskTier:
         began = time.time()
         spilled = sum(1 for rank, state in enumerate(states)
                       if self._queue(self.stage(state, used=began - rank * SPILL_STEP_S), state.key))
-        if self.ranks is not None:
-            self.ranks.flush()          # the followers stage and write their parts while rank 0 writes its own
+        if self.leader is not None:
+            self.leader.flush()         # the followers stage and write their parts while rank 0 writes its own
         return spilled
 
     def close(self) -> None:
@@ -442,8 +386,8 @@ class DiskTier:
                 "disk_waiting_bytes": self.writer.staged_bytes, "disk_dropped": self.writer.dropped,
                 "disk_write_failed": store.write_failed, "disk_write_errors": self.writer.failed,
                 "disk_parts_removed": store.parts_removed, "disk_orphans_removed": store.orphans_removed,
-                "disk_on_disk_already": self.on_disk_already,
-                "disk_verified": self.verified, "disk_verify_mismatches": self.mismatches,
+                "disk_on_disk_already": self.writes.on_disk_already,
+                "disk_verified": self.writes.verified, "disk_verify_mismatches": self.writes.mismatches,
                 "disk_read_bytes_per_s": round(self.read_bytes_per_s),
                 "disk_prefill_rows_per_s": round(self.prefill_rows_per_s)}
 

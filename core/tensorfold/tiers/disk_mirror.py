@@ -1,8 +1,8 @@
 """The disk tier at tensor-parallel size N > 1: each rank keeps its own part of every state in its own rows store,
 rank 0 decides (docs/architecture.md, "Tensor parallelism").
 
-Rank 0's disk tier (tiers/disk.py) records its decisions in the store's journal, as the device and host tiers do
-(tiers/mirror.py); a follower replays them on its `DiskPart`:
+Rank 0's disk tier (tiers/disk.py) records its decisions in the store's journal through its `DiskLeader`, as the
+device and host tiers do (tiers/mirror.py); a follower replays them on its `DiskPart`:
 
     DiskSetup  once, at startup: open this rank's rows store under `<learn-dir>/rank-<k>` with rank 0's identity
                facts and this rank's number, and start its writer thread
@@ -37,6 +37,7 @@ from tensorfold.tiers.staged import CopiesView, Staged, from_pages, from_state
 
 if TYPE_CHECKING:
     from tensorfold.rows.store import RowsStore
+    from tensorfold.tiers.states import DiskState
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,57 @@ class Ranks(Protocol):
         """Whether every rank's part succeeded."""
 
 
-def stage_command(staged: Staged, key: int, claim: Claim | None, waiting: bool) -> DiskStage:
-    """What a follower stages of a state rank 0 queued: its part by rank 0's key, or its slot's rows."""
-    pages = None
-    if claim is not None and claim.lease is not None:
-        pages = tuple(claim.lease.pages)
-    return DiskStage(key=key, slot=claim.slot if claim is not None else -1, pages=pages, tokens=staged.tokens,
-                     cuts=staged.cuts, why=staged.why, partition=staged.partition, used=staged.used,
-                     waiting=waiting)
+class DiskLeader:
+    """Rank 0's side: its disk tier's setup, stages and reads recorded in the journal for the followers (the
+    journal is the store's own, taken anew at each use: every send replaces it), and the ranks' vote on a read."""
+
+    def __init__(self, kv: KvStore, ranks: Ranks) -> None:
+        self.kv = kv
+        self.ranks = ranks
+
+    def _journal(self) -> list:
+        journal = self.kv.journal
+        if journal is None:
+            raise RuntimeError("the disk tier leads followers only over a store that keeps a journal")
+        return journal
+
+    def setup(self, store: RowsStore, fmt: ImageFormat, stage_bytes: int, reserve: int, flush_s: float) -> None:
+        """Open every follower's own rows store (its part of each state) now, with rank 0's facts and caps."""
+        self._journal().append(DiskSetup(str(store.root), store.facts, store.block_rows, store.cap_bytes,
+                                         store.daily_bytes, store.min_free_bytes, fmt, stage_bytes, reserve,
+                                         flush_s))
+        self.ranks.flush()
+
+    def stage(self, staged: Staged, key: int, claim: Claim | None, waiting: bool) -> None:
+        """Rank 0 queued a state: each follower stages its part, by rank 0's key or from its slot's rows."""
+        pages = None
+        if claim is not None and claim.lease is not None:
+            pages = tuple(claim.lease.pages)
+        self._journal().append(DiskStage(key=key, slot=claim.slot if claim is not None else -1, pages=pages,
+                                         tokens=staged.tokens, cuts=staged.cuts, why=staged.why,
+                                         partition=staged.partition, used=staged.used, waiting=waiting))
+
+    def flush(self) -> None:
+        """Send the journal now (at shutdown: the followers stage and write their parts while rank 0 writes)."""
+        self.ranks.flush()
+
+    def send_read(self, state: DiskState, slot: int) -> None:
+        """Send the journal and the read to every follower now (they read while rank 0 does); slot -1: rank 0
+        failed before reading."""
+        self._journal().append(DiskRead(state.tokens, state.cuts, state.partition, slot))
+        self.ranks.flush()
+
+    def vote(self, store: RowsStore, state: DiskState, sent: bool, error: Exception | None) -> Exception | None:
+        """After rank 0's read of `state` (`sent` when the read went out first; `error` when its own part failed):
+        every rank votes; rank 0's error, or when another rank's part failed, the store forgets it and says why."""
+        if sent:
+            self._journal().clear()   # what rank 0's read recorded (put_back's clear): each rank's read does it
+        else:
+            self.send_read(state, -1)
+        if self.ranks.agree(error is None) or error is not None:
+            return error
+        store.remove(state.entry.key)      # another rank's part failed: forgotten on every rank
+        return Damaged("another rank's part of it failed its read (every rank forgets it)")
 
 
 class DiskPart:

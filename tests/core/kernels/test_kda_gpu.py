@@ -75,6 +75,14 @@ def _limit(dtype: torch.dtype) -> float:
     return 2e-2 if dtype == torch.float32 else 6e-2
 
 
+def _naive_out_limit(dtype: torch.dtype) -> float:
+    """Naive float32 vs the float64 truth, relative to the truth's largest entry. Its states are float32 (1e-4);
+    its output comes back in v's dtype, so for bf16 inputs each entry carries bf16's rounding, up to half an ulp,
+    which is 2^-8 of the entry at worst (8 significant bits): the float32 arithmetic is not what that bound
+    measures."""
+    return 1e-4 if dtype == torch.float32 else 2.0 ** -8 + 1e-4
+
+
 # ---------------------------------------------------------------- prefill: closeness
 
 
@@ -117,7 +125,7 @@ def test_gpu_fla_chunk_against_naive_and_truth(dtype, resumed, layout):
     for name, (a, b) in {"out": (out, exact), "state": (final, exact_final), "aligned out": (aligned, exact),
                          "aligned state": (aligned_final, exact_final)}.items():
         assert relative(a, b) < limit, (name, record)
-    assert relative(ref, exact) < 1e-4 and relative(ref_final, exact_final) < 1e-4, record
+    assert relative(ref, exact) < _naive_out_limit(dtype) and relative(ref_final, exact_final) < 1e-4, record
     if layout == "varlen":
         initial = torch.zeros_like(final[2]) if state is None else state[2]
         assert torch.equal(final[2], initial) and torch.equal(aligned_final[2], initial), "empty stream's state"

@@ -93,7 +93,7 @@ def test_a_state_let_go_is_written_and_comes_back_byte_equal(tmp_path, make, at,
 
 @pytest.mark.parametrize("make", [paged, windowed], ids=["pages", "windows"])
 def test_with_no_ram_tier_a_slot_is_kept_straight_on_disk_once(tmp_path, make, caplog):
-    caplog.set_level(logging.INFO, logger="tensorfold.tiers.disk")
+    caplog.set_level(logging.INFO, logger="tensorfold.tiers.disk_write")
     memory = make()
     tiers = KeptTiers(None, None, disk_tier(memory, tmp_path))
     disk = tiers.disk
@@ -104,7 +104,7 @@ def test_with_no_ram_tier_a_slot_is_kept_straight_on_disk_once(tmp_path, make, c
     assert tiers.keep_from(source, tuple(range(21)), (16, 21), frozenset({REWIND})).tier == "disk"
     fill(memory, source, 40, seed=6)  # the staged copies do not move with the slot, whenever the I/O thread runs
     settle(disk)
-    assert disk.store.stats().written == 1 and disk.on_disk_already == 1  # the second one was on disk already
+    assert disk.store.stats().written == 1 and disk.writes.on_disk_already == 1  # the second one was on disk already
     assert "kept at 21 (history end) on disk" in caplog.text
     assert tiers.lookup(tuple(range(21)), (16, 21)) is None  # no prompt row would be left
     assert tiers.lookup(tuple(range(30)), (16, 30)) is None  # cut elsewhere: another pass's arithmetic
@@ -176,7 +176,7 @@ def test_shutdown_writes_the_states_ram_still_keeps_and_a_new_store_finds_them(t
     assert tiers.spill() == 2
     tiers.close()
     disk = tiers.disk
-    assert disk.store.stats().written == 2 and disk.verified == 2 and disk.mismatches == 0
+    assert disk.store.stats().written == 2 and disk.writes.verified == 2 and disk.writes.mismatches == 0
     assert "disk tier closed: 2 states written at shutdown" in caplog.text
     used = {e.at: e.used for e in disk.store.entries()}
     assert used[24] > used[16]   # the device's state, used last, is written first and still the newer for the cap

@@ -63,7 +63,7 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     states, bounds, starts = as_packed(q.shape[0], initial_state, start, cu_seqlens, starts)
     fla_op = partial(_require().chunk_gated_delta_rule, scale=float(scale), output_final_state=True,
                      use_qk_l2norm_in_kernel=qk_l2norm)
-    out, final = chunk_varlen(q, k, v, g, beta, states, bounds, starts, align_grid, CHUNK, fla_op)
+    out, final = chunk_varlen(q, k, v, g, beta, states, bounds, starts, align_grid, CHUNK, fla_op, chunk_indices=True)
     return (out, final) if cu_seqlens is not None else (out, final[0])
 
 

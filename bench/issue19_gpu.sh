@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 19's measurements in one device call, each phase under `timeout` inside one total budget (TOTAL_SECONDS):
+#   ab       bench/ab_prefill.py: the 9B prefill of the trees in AB ("name=tarball ... name=." for this tree;
+#            default: BASE, a tarball of an earlier commit, then this tree), alternated in one process
+#   gpu      bench/gpu.py: prefill (PREFILL rows) and batch-1 decode, ours vs HF, at SHAPE
+#   profile  bench/profile_decode.py --prefill: where our prefill's GPU time goes (and HF's, with PROFILE_HF=1)
+#   tests    pytest -m gpu (TESTS, all GPU tests unless set); KDA's records in $OUT/kda-gpu-tests.jsonl
+# JSON lines in $OUT/*.jsonl and $OUT/phases.jsonl; everything the phases print in $OUT/issue19.log.
+#
+#   device:     BASE=.devsnap/base.tgz bash bench/issue19_gpu.sh          (carry .whl and .devsnap)
+#               AB="before=.devsnap/base.tgz tp=.devsnap/tp.tgz now=." PHASES="ab gpu" bash bench/issue19_gpu.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/tensorfold-issue19}
+mkdir -p "$OUT"
+LOG="$OUT/issue19.log"
+TOTAL=${TOTAL_SECONDS:-570}
+start=$SECONDS
+MIN_PHASE_SECONDS=${MIN_PHASE_SECONDS:-30}
+# shellcheck source=bench/phases.sh
+source "$(dirname "$0")/phases.sh"
+HERE=$(pwd)
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >> "$LOG" 2>&1 && export PYTHONPATH=/tmp/site || { tail -20 "$LOG"; exit 1; }
+(python3 -m pip install -q --no-deps --no-build-isolation -e core -e plugins/tensorfold_example -e tensorfold_qwen \
+  -e tensorfold_glm -e tensorfold_nemotron) >> "$LOG" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
+phase_line install "\"seconds\": $((SECONDS - start))"
+
+PHASES=" ${PHASES:-ab gpu profile tests} "
+if [[ $PHASES == *" ab "* ]]; then
+  trees=()
+  for entry in ${AB:-before=${BASE:-} after=.}; do   # name=tarball (unpacked under /tmp) or name=. (this tree)
+    name=${entry%%=*} source_=${entry#*=}
+    if [[ $source_ == . ]]; then trees+=(--tree "$name=$HERE"); continue; fi
+    mkdir -p "/tmp/ab-$name" && tar xzf "$source_" -C "/tmp/ab-$name" && trees+=(--tree "$name=/tmp/ab-$name")
+  done
+  TRITON_CACHE_AUTOTUNING=1 run ab "${AB_SECONDS:-170}" python3 bench/ab_prefill.py "${trees[@]}" \
+    --rows 8192 32768 --rounds "${AB_ROUNDS:-4}" --out "$OUT"
+fi
+if [[ $PHASES == *" gpu "* ]]; then
+  run gpu "${GPU_SECONDS:-150}" python3 bench/gpu.py --shape "${SHAPE:-qwen3_5-9b}" --batches 1 \
+    --prefill ${PREFILL:-2048 8192 32768} --no-eager --out "$OUT"
+fi
+if [[ $PHASES == *" profile "* ]]; then
+  run profile "${PROFILE_SECONDS:-120}" python3 bench/profile_decode.py --shape "${SHAPE:-qwen3_5-9b}" \
+    --prefill "${ROWS:-8192}" ${PROFILE_HF:+--hf} --top 40 --out "$OUT"
+fi
+if [[ $PHASES == *" tests "* ]]; then
+  # shellcheck disable=SC2086
+  OUT="$OUT" run tests "${TEST_SECONDS:-260}" python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
+    ${TESTS:-}
+  grep -E "passed|failed|error" "$LOG" | tail -3 > "$OUT/gpu-tests.log"
+  grep -E "^(FAILED|ERROR)" "$LOG" >> "$OUT/gpu-tests.log"
+fi
