@@ -49,8 +49,9 @@ if [[ $PHASES == *" profile "* ]]; then
 fi
 if [[ $PHASES == *" tests "* ]]; then
   # shellcheck disable=SC2086
+  # A test still running after TEST_STACK_AFTER seconds prints every thread's stack (a hang or a long autotune).
   OUT="$OUT" run tests "${TEST_SECONDS:-260}" python3 -m pytest -p no:cacheprovider -q -m gpu -o addopts="" \
-    ${TESTS:-}
+    -o faulthandler_timeout="${TEST_STACK_AFTER:-120}" --durations=15 ${TESTS:-}
   grep -E "passed|failed|error" "$LOG" | tail -3 > "$OUT/gpu-tests.log"
   grep -E "^(FAILED|ERROR)" "$LOG" >> "$OUT/gpu-tests.log"
 fi
