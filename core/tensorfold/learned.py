@@ -10,11 +10,16 @@
 ls, show and verify take no lock, so they work beside a running server (a file it is writing may show as a
 `.part`); gc and rm are refused while a server holds the store, and on a root another user could write to
 (rows/guard.py; a root of ours open to group or others is set to 0700 first).
+
+A tensor-parallel server's ranks keep their parts in stores of their own, rank k's in `rank-<k>/` under the root
+(tiers/disk_mirror.py): every command covers them too, each rank's store under its own lock, and `rm` of a part
+removes every rank's part of that identity (one part alone can never be resumed).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import time
@@ -39,12 +44,40 @@ class Identity:
     facts: dict
     states: tuple[StateEntry, ...]
     nbytes: int                         # bytes of its files on disk (shared blocks once)
+    store: Path                         # the store it is in: the root, or a tensor-parallel rank's `rank-<k>/`
+    rank_folder: str = ""               # "" in the root's store, else the rank's folder name
+
+    @property
+    def label(self) -> str:
+        """Its hash, behind its rank's folder when it is in one."""
+        return f"{self.rank_folder}/{self.name}" if self.rank_folder else self.name
+
+    @property
+    def folder(self) -> Path:
+        return self.store / self.name
+
+    def is_part_of(self, other: Identity) -> bool:
+        """Whether both are parts of one tensor-parallel identity (the same facts but the rank's)."""
+        if self.facts.get("tp_world", "1") == "1":
+            return False
+        rest = {k: v for k, v in self.facts.items() if k != "tp_rank"}
+        return rest == {k: v for k, v in other.facts.items() if k != "tp_rank"}
+
+
+_RANK = re.compile(r"rank-[0-9]+")
+
+
+def stores(root: Path) -> list[Path]:
+    """The root's store, then each tensor-parallel rank's under it (`rank-<k>/`, real folders only), by rank."""
+    root = Path(root)
+    ranks = [p for p in root.iterdir() if _RANK.fullmatch(p.name) and real_dir(p)] if real_dir(root) else []
+    return [root, *sorted(ranks, key=lambda p: int(p.name.split("-")[1]))]
 
 
 def identities(root: Path) -> list[Identity]:
-    """Every identity under the root, read without the lock."""
-    return [Identity(name, facts, tuple(states), _bytes(Path(root) / name))
-            for name, facts, states in list_identities(root)]
+    """Every identity under the root and its ranks' stores, read without the lock."""
+    return [Identity(name, facts, tuple(states), _bytes(store / name), store, "" if n == 0 else store.name)
+            for n, store in enumerate(stores(root)) for name, facts, states in list_identities(store)]
 
 
 def pick(root: Path, prefix: str) -> Identity:
@@ -59,7 +92,10 @@ def pick(root: Path, prefix: str) -> Identity:
 def describe_model(facts: dict) -> str:
     """A short line naming what an identity belongs to, from whichever facts it has."""
     keys = ("family", "model_type", "dtype", "device")
-    return " ".join(f"{k}={facts[k]}" for k in keys if k in facts) or "(no facts)"
+    named = " ".join(f"{k}={facts[k]}" for k in keys if k in facts) or "(no facts)"
+    if facts.get("tp_world", "1") != "1":
+        named += f" tp={facts['tp_world']} rank {facts.get('tp_rank', '?')}"
+    return named
 
 
 def age(seconds_then: float, now: float | None = None) -> str:
@@ -122,12 +158,18 @@ def verify_identity(folder: Path) -> list[tuple[str, str]]:
 
 
 def verify(root: Path) -> dict[str, list[tuple[str, str]]]:
-    """Every identity's problems, by identity hash."""
-    return {i.name: verify_identity(root / i.name) for i in identities(root)}
+    """Every identity's problems, by its label (its hash, behind a rank's folder)."""
+    return {i.label: verify_identity(i.folder) for i in identities(root)}
 
 
 def gc(root: Path) -> dict[str, int]:
-    """Tidy the store under its lock until verify finds nothing: `.part` files; states that fail a header check,
+    """`gc_store` on the root's store and each rank's: the counts and bytes freed, summed."""
+    done = [gc_store(store) for store in stores(root)]
+    return {key: sum(d[key] for d in done) for key in done[0]}
+
+
+def gc_store(root: Path) -> dict[str, int]:
+    """Tidy one store under its lock until verify finds nothing: `.part` files; states that fail a header check,
     any byte's hash or their names, or list a block that fails, each with the blocks only it lists; the blocks that
     fail; blocks no state lists. Returns counts and bytes freed."""
     root = Path(root)
@@ -155,25 +197,47 @@ def gc(root: Path) -> dict[str, int]:
 
 
 def rm(root: Path, identity: str, state: str | None = None) -> int:
-    """Remove one identity, or one of its states (a key prefix) with the blocks no other state lists, under the
-    lock; returns the bytes freed."""
+    """Remove one identity, or one of its states (a key prefix) with the blocks no other state lists, each store
+    under its lock; a tensor-parallel part goes with every rank's part of it. Returns the bytes freed."""
     chosen = pick(root, identity)
-    guard_root(Path(root), create=False)
-    fd = take_lock(root)
+    parts = [chosen, *(i for i in identities(root) if i.folder != chosen.folder and i.is_part_of(chosen))]
+    if state is None:
+        return sum(_remove(part, None) for part in parts)
+    keys = [e for e in chosen.states if e.key.startswith(state)]
+    if len(keys) != 1:
+        raise ValueError(f"{len(keys)} states of {chosen.name[:12]} start with {state!r}")
+    return sum(_remove(part, key) for part, key in zip(parts, same_state(parts, keys[0]), strict=True))
+
+
+def same_state(parts: list[Identity], entry: StateEntry) -> list[str]:
+    """The key of `entry`'s part in each identity of `parts` (the first holds `entry`). A rank's key names its own
+    identity, so parts are paired by the rows and cuts they cover, and only where that pairing is unique in every
+    part: a follower's part whose rank-0 part is gone can never be resumed, so pairing it by mistake loses nothing."""
+    keys = [entry.key]
+    for part in parts[1:]:
+        alike = [e.key for e in part.states if (e.at, e.cuts) == (entry.at, entry.cuts)]
+        twins = [e for e in parts[0].states if (e.at, e.cuts) == (entry.at, entry.cuts)]
+        if len(alike) != 1 or len(twins) != 1:
+            raise ValueError(f"the state {entry.key[:12]} ({entry.at} rows) cannot be told apart from another of "
+                             f"the same rows and cuts in {part.label[:20]}: remove the whole identity instead")
+        keys.append(alike[0])
+    return keys
+
+
+def _remove(part: Identity, key: str | None) -> int:
+    """Remove one identity folder, or its state `key`, under its store's lock."""
+    guard_root(part.store, create=False)
+    fd = take_lock(part.store)
     try:
-        folder = root / chosen.name
-        before = _bytes(root)
-        if state is None:
-            shutil.rmtree(folder)
-        else:
-            shelf = Shelf(folder)
-            shelf.load(None, repair=False)
-            keys = [k for k in shelf.states if k.startswith(state)]
-            if len(keys) != 1:
-                raise ValueError(f"{len(keys)} states of {chosen.name[:12]} start with {state!r}")
-            shelf.drop(keys[0])
-            shelf.save_usage()
-        return before - _bytes(root)
+        before = _bytes(part.folder)
+        if key is None:
+            shutil.rmtree(part.folder)
+            return before
+        shelf = Shelf(part.folder)
+        shelf.load(None, repair=False)
+        shelf.drop(key)
+        shelf.save_usage()
+        return before - _bytes(part.folder)
     finally:
         release_lock(fd)
 
@@ -192,4 +256,4 @@ def _bytes(root: Path) -> int:
 
 
 __all__ = ["Damage", "Identity", "StoreRefused", "age", "describe_model", "check_shelf", "gc", "identities", "pick",
-           "rm", "verify", "verify_identity"]
+           "rm", "stores", "verify", "verify_identity"]

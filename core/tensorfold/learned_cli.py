@@ -38,14 +38,14 @@ def ls(learn_dir: Path | None = DirOption, as_json: bool = typer.Option(False, "
     """Every identity: its states and bytes, and what it belongs to."""
     found = learned.identities(_root(learn_dir))
     if as_json:
-        typer.echo(json.dumps([{"identity": i.name, "states": len(i.states), "bytes": i.nbytes,
-                                "facts": i.facts} for i in found]))
+        typer.echo(json.dumps([{"identity": i.name, "store": i.rank_folder or ".", "states": len(i.states),
+                                "bytes": i.nbytes, "facts": i.facts} for i in found]))
         return
     if not found:
         typer.echo(f"nothing kept under {_root(learn_dir)}")
     for i in found:
         typer.echo(f"{i.name[:12]}  {len(i.states):5d} states  {i.nbytes / 2**20:10.1f} MiB  "
-                   f"{learned.describe_model(i.facts)}")
+                   f"{learned.describe_model(i.facts)}{'  in ' + i.rank_folder + '/' if i.rank_folder else ''}")
 
 
 @app.command("show")
@@ -59,7 +59,7 @@ def show(identity: str = typer.Argument(..., help="an identity hash or its prefi
                                            "blocks": len(e.blocks), "bytes": e.nbytes, "written": e.written,
                                            "used": e.used, "hits": e.hits} for e in chosen.states]}))
         return
-    typer.echo(f"identity {chosen.name}")
+    typer.echo(f"identity {chosen.label}")
     for key, value in sorted(chosen.facts.items()):
         typer.echo(f"  {key}: {value}")
     now = time.time()

@@ -3,15 +3,19 @@ tiny hybrid checkpoint): a server answers a chat's first turn and is stopped wit
 rank's part of the state kept at the turn's history end (rank 0's in --learn-dir, rank 1's in `rank-1/` below it);
 a new `--tp 2` server on the same directory resumes the second turn from disk (usage cached_tokens, /memory and
 /metrics say disk) with the greedy tokens of a `--tp 1` server with every tier off; a `--tp 1` server on the same
-directory reads none of it (its identity names another TP world). Slow: each server starts its ranks."""
+directory reads none of it (its identity names another TP world). Then `tensorfold learned` (real processes) lists
+every rank's parts, verifies them, and removes a state, then the identity, from every rank's store at once. Slow:
+each server starts its ranks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from learn_files import learned
 from test_server_tp import client_of
 
 from tensorfold.plugins import load_families
@@ -69,3 +73,22 @@ def test_a_tp2_server_resumes_from_the_parts_a_tp2_server_wrote_at_sigterm(tmp_p
         alone, _, cached = ask(client_of(url), two)
         now = httpx.get(f"{url}/memory", timeout=10).json()["now"]
     assert alone == plain_second and cached == 0 and now["tiers"]["disk"]["hits"] == 0
+
+    listed = {(i["store"], i["facts"].get("tp_world"), i["facts"].get("tp_rank")): i
+              for i in json.loads(learned(root, "ls", "--json").stdout)}
+    assert set(listed) == {(".", "2", "0"), ("rank-1", "2", "1"), (".", "1", None)}, listed
+    rank0, rank1 = listed[(".", "2", "0")], listed[("rank-1", "2", "1")]
+    assert rank0["states"] == rank1["states"] >= 2
+    assert "tp=2 rank 1" in learned(root, "ls").stdout and learned(root, "verify").returncode == 0
+    shown = json.loads(learned(root, "show", rank0["identity"][:12], "--json").stdout)
+    longest = max(shown["states"], key=lambda e: e["tokens"])
+    removed = learned(root, "rm", rank0["identity"][:12], "--state", longest["key"][:16])
+    assert removed.returncode == 0, removed.stderr
+    after = {(i["store"], i["facts"].get("tp_rank")): i["states"]
+             for i in json.loads(learned(root, "ls", "--json").stdout)}
+    assert after[(".", "0")] == after[("rank-1", "1")] == rank0["states"] - 1      # one state gone from both parts
+    gone = learned(root, "rm", rank1["identity"][:12])                             # a follower's part names them all
+    assert gone.returncode == 0, gone.stderr
+    left = json.loads(learned(root, "ls", "--json").stdout)
+    assert [(i["store"], i["facts"].get("tp_world")) for i in left] == [(".", "1")]
+    assert not list((root / "rank-1").glob("*/states/*.st")) and learned(root, "verify").returncode == 0
