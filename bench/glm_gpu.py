@@ -7,7 +7,8 @@ with fewer layers and experts so that both models fit one GPU: `--layers` (defau
 three dense) and `--experts` (default 64 of 288). Prints one JSON line per measurement (bench/gpu.py's format):
     model      parameters, weight bytes a batch-1 decode step reads, Layout bytes
     check      our bf16 logits against HF's on one prompt (max |Δ|, argmax agreement)
-    decode     batch-1 tok/s, ours and HF; ours against the HBM limit
+    decode     tok/s at each --batches (the engine's decode runner when GLM has its tensor-only decode, else its
+               forward; `path` says which), HF at batch 1; ours at batch 1 against the HBM limit
     prefill    tok/s and MFU at each length, ours and HF
 
     python bench/glm_gpu.py --out $OUT                       (from bench/)
@@ -23,6 +24,7 @@ import gpu  # bench/gpu.py: this script runs from bench/ on sys.path
 import torch
 from gpu import TensorsCheckpoint, emit, hardware, our_prefill, our_store, sync, timed
 
+from tensorfold.engine.graphs import has_decode
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold_glm.plugin import draw
@@ -90,21 +92,10 @@ def attention_flops(text, rows: int) -> float:
     return mla * per_key * keys
 
 
-def our_decode(ours, layout, prompt: int, steps: int, chunk: int) -> float:
-    """Seconds per batch-1 decode step after a `prompt`-row prefill, through the family's forward."""
-    store = our_store(layout, 1, prompt + steps + 2)
-    tokens = torch.randint(0, ours.vocab_size, (prompt,)).tolist()
-    for a in range(0, prompt, chunk):
-        ours.forward(StepPlan((StreamStep(0, a, tokens[a: a + chunk]),)), store)
-    position = [prompt]
-
-    def step() -> None:
-        ours.forward(StepPlan((StreamStep(0, position[0], (7,)),)), store)
-        position[0] += 1
-
-    step()
-    sync()
-    return timed(lambda: [step() for _ in range(steps)], repeats=1) / steps
+def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int) -> float:
+    """Seconds per decode step of `batch` streams after a `prompt`-row prefill each, as the engine runs it: the
+    decode runner (CUDA graphs on the GPU) when the model has a tensor-only decode, else its forward (gpu.py)."""
+    return gpu.our_decode(ours, layout, batch, prompt, steps, chunk, graphs=gpu.DEVICE == "cuda")
 
 
 def hf_decode(hf, vocab: int, prompt: int, steps: int) -> float:
@@ -159,6 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="GPU benchmark: our GLM-5.3-Flash vs HF at the real widths")
     parser.add_argument("--prefill", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1], help="decode streams (HF at batch 1 only)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--no-hf", action="store_true")
@@ -175,15 +167,18 @@ def main() -> None:
     with torch.inference_mode():
         if not args.no_hf:
             emit(args.out, jsonl="glm.jsonl", bench="check", shape=shape, **check(hf, ours, layout, 256))
-        ours_s = our_decode(ours, layout, args.prompt, args.steps, args.chunk)
-        hf_s = None if args.no_hf else hf_decode(hf, text.vocab_size, args.prompt, args.steps)
-        moved = read + 2 * layout.fixed_bytes + layout.bytes_per_token * args.prompt
-        record = {"bench": "decode", "shape": shape, "batch": 1, "prompt": args.prompt,
-                  "ours_tok_s": round(1 / ours_s, 1), "step_ms": round(ours_s * 1e3, 3),
-                  "hbm_limit_fraction": round(moved / bandwidth / ours_s, 3)}
-        if hf_s is not None:
-            record |= {"hf_tok_s": round(1 / hf_s, 1), "speedup": round(hf_s / ours_s, 2)}
-        emit(args.out, jsonl="glm.jsonl", **record)
+        path = "decode runner" if has_decode(ours) else "forward"
+        for batch in args.batches:
+            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk)
+            record = {"bench": "decode", "shape": shape, "batch": batch, "prompt": args.prompt, "path": path,
+                      "ours_tok_s": round(batch / ours_s, 1), "step_ms": round(ours_s * 1e3, 3)}
+            if batch == 1:
+                moved = read + 2 * layout.fixed_bytes + layout.bytes_per_token * args.prompt
+                record["hbm_limit_fraction"] = round(moved / bandwidth / ours_s, 3)
+                hf_s = None if args.no_hf else hf_decode(hf, text.vocab_size, args.prompt, args.steps)
+                if hf_s is not None:
+                    record |= {"hf_tok_s": round(1 / hf_s, 1), "speedup": round(hf_s / ours_s, 2)}
+            emit(args.out, jsonl="glm.jsonl", **record)
         for rows in args.prefill:
             ours_s = our_prefill(ours, layout, rows, args.chunk)
             hf_s = None if args.no_hf else hf_prefill(hf, text.vocab_size, rows)

@@ -3,6 +3,8 @@
 #   ab       bench/ab_prefill.py: the 9B prefill of the trees in AB ("name=tarball ... name=." for this tree;
 #            default: BASE, a tarball of an earlier commit, then this tree), alternated in one process
 #   gpu      bench/gpu.py: prefill (PREFILL rows) and batch-1 decode, ours vs HF, at SHAPE
+#   glm      bench/glm_gpu.py: GLM's decode at GLM_BATCHES streams (through the decode runner when GLM has one)
+#            and prefill, ours vs HF (only when PHASES names it)
 #   profile  bench/profile_decode.py --prefill: where our prefill's GPU time goes (and HF's, with PROFILE_HF=1)
 #   tests    pytest -m gpu (TESTS, all GPU tests unless set); KDA's records in $OUT/kda-gpu-tests.jsonl
 # JSON lines in $OUT/*.jsonl and $OUT/phases.jsonl; everything the phases print in $OUT/issue19.log.
@@ -42,6 +44,9 @@ fi
 if [[ $PHASES == *" gpu "* ]]; then
   run gpu "${GPU_SECONDS:-150}" python3 bench/gpu.py --shape "${SHAPE:-qwen3_5-9b}" --batches 1 \
     --prefill ${PREFILL:-2048 8192 32768} --no-eager --out "$OUT"
+fi
+if [[ $PHASES == *" glm "* ]]; then
+  run glm "${GLM_SECONDS:-240}" python3 bench/glm_gpu.py --batches ${GLM_BATCHES:-1 64} --out "$OUT"
 fi
 if [[ $PHASES == *" profile "* ]]; then
   run profile "${PROFILE_SECONDS:-120}" python3 bench/profile_decode.py --shape "${SHAPE:-qwen3_5-9b}" \
