@@ -19,17 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorfold.engine.api import Sampling
-from tensorfold.engine.graphs import DecodeRunner, batch_sizes
-from tensorfold.engine.runner import Engine
-from tensorfold.kv import PagedStore
-from tensorfold.memory import StreamMemory
+from tensorfold.engine.graphs import DecodeRunner
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
-from tensorfold.pool.pages import PagePool
-from tensorfold.pool.slots import SlotPool
 from tensorfold.testing import kit
-from tensorfold.testing.engine_gates import Client, running
+from tensorfold.testing.decode_engine import check_engine_with_decode
 from tensorfold_nemotron import plugin
 
 CONTEXT, PAGE_ROWS, SLOTS, STEPS = 96, 16, 5, 8
@@ -224,55 +218,8 @@ def test_the_runner_takes_decode_steps_and_falls_back_otherwise(subjects):
 
 # ---------------------------------------------------------------- the engine
 
-REQUESTS = [  # (prompt length, sampling): ending at different steps, so the decode batches shrink
-    (20, Sampling(temperature=0.0, max_tokens=24)),
-    (7, Sampling(temperature=1.0, seed=11, max_tokens=30)),
-    (33, Sampling(temperature=0.8, top_p=0.9, seed=3, max_tokens=18)),
-    (70, Sampling(temperature=0.0, max_tokens=40)),   # the context (96) ends it first
-    (5, Sampling(temperature=0.0, max_tokens=1)),
-]
-PARALLEL, CHUNK = 4, 32
-
-
-class Counting:
-    """A family model whose decode calls are counted."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.vocab_size = inner.vocab_size
-        self.decodes = 0
-
-    def forward(self, plan: StepPlan, kv) -> torch.Tensor:
-        return self.inner.forward(plan, kv)
-
-    def decode(self, batch: DecodeBatch, kv) -> torch.Tensor:
-        self.decodes += 1
-        return self.inner.decode(batch, kv)
-
-
-def serve(subject, runner: bool, overlap: bool = False) -> tuple[list[list[int]], list[str], int]:
-    """REQUESTS at once through an Engine on a paged store: each reply's tokens and finish reason, and how many
-    decode steps ran."""
-    pages = PARALLEL * -(-CONTEXT // PAGE_ROWS)
-    kv = PagedStore(subject.declarations.layout, PARALLEL, pages, PAGE_ROWS, subject.device, poison=True)
-    memory = StreamMemory(kv, SlotPool(PARALLEL), PagePool(pages, PAGE_ROWS))
-    counted = Counting(subject.model)
-    model = DecodeRunner(counted, kv, batch_sizes(PARALLEL), CONTEXT, graphs=False) if runner else subject.model
-    clients = [Client(f"r{salt}", tokens(n, salt), sampling) for salt, (n, sampling) in enumerate(REQUESTS)]
-    with running(Engine(model, memory, CHUNK, CONTEXT, 16, overlap=overlap)) as engine:
-        for client in clients:
-            engine.submit(client.request)
-        done = [client.result() for client in clients]
-    return [c.tokens for c in clients], [d.finish_reason for d in done], counted.decodes
-
 
 def test_an_engine_with_decode_gives_the_tokens_of_one_without(subjects):
     """Greedy and seeded requests through a CPU Engine: the decode runner (eager), with and without steps launched
     ahead, gives every token and finish reason the family's forward alone gives."""
-    subject = subjects["tiny", torch.float32]
-    plain, reasons, _ = serve(subject, runner=False)
-    assert [len(t) for t in plain] == [24, 30, 18, CONTEXT - 70, 1]
-    for overlap in (False, True):
-        got, got_reasons, decodes = serve(subject, runner=True, overlap=overlap)
-        assert decodes > 0
-        assert got == plain and got_reasons == reasons, overlap
+    check_engine_with_decode(subjects["tiny", torch.float32], tokens, CONTEXT, PAGE_ROWS)
