@@ -16,17 +16,20 @@ attention.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from tensorfold.engine.graphs import DecodeRunner
-from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
+from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
-from tensorfold.testing import kit
-from tensorfold.testing.decode_engine import check_engine_with_decode
+from tensorfold.testing import decode_engine, kit
+from tensorfold.testing.decode_engine import check_engine_with_decode, fixed_states, same_bytes
 from tensorfold_nemotron import plugin
 
 CONTEXT, PAGE_ROWS, SLOTS, STEPS = 96, 16, 5, 8
+batch_of = partial(decode_engine.batch_of, context=CONTEXT)
 PROMPTS = {3: 30, 0: 9, 1: 17}             # slot -> prompt length; slot 2 and the last slot (4) stay idle
 LATENT = dict(hidden_size=72, layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention",
                                                  "mlp", "full_attention"],
@@ -78,23 +81,8 @@ def prefill(subject, store, prompts: dict[int, int]) -> dict[int, int]:
     return first
 
 
-def batch_of(store, rows: list[tuple[int, int, int] | None]) -> DecodeBatch:
-    """A DecodeBatch of (slot, token, position) rows, None a padded row (token 0, position 0, slot -1, page 0), as
-    the runner pads."""
-    width = store.table_width(CONTEXT)
-    tables = torch.zeros((len(rows), width), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        if row is not None:
-            table = store.host_table(row[0])
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    live = [row or (-1, 0, 0) for row in rows]
-    return DecodeBatch(tokens=torch.tensor([t for _, t, _ in live]), positions=torch.tensor([p for _, _, p in live]),
-                       slots=torch.tensor([s for s, _, _ in live]), tables=tables)
 
 
-def fixed_states(store, slot: int) -> list[torch.Tensor]:
-    return [store.fixed(i, spec.name, slot).clone() for i, layer in enumerate(store.layout.layers)
-            for spec in layer.fixed]
 
 
 def row_states(store, slot: int, end: int) -> list[torch.Tensor]:
@@ -107,9 +95,6 @@ def all_pages(store) -> list[torch.Tensor]:
             for spec in layer.rows]
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit, NaN poison included."""
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def flat_row(store, slot: int, position: int) -> int:

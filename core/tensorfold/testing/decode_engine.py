@@ -1,6 +1,7 @@
 """A family's tensor-only decode inside a real CPU Engine: the decode runner (eager, as on the GPU without graphs),
 with and without steps launched ahead, gives every token and finish reason the family's forward alone gives. Shared
-by the families that offer `decode` (their tests pass their kit subject, token maker and store shape)."""
+by the families that offer `decode` (their tests pass their kit subject, token maker and store shape), with the
+helpers their decode tests build batches and compare states with."""
 
 from __future__ import annotations
 
@@ -70,3 +71,27 @@ def check_engine_with_decode(subject, tokens: Callable[[int, int], tuple[int, ..
         got, got_reasons, decodes = serve(subject, tokens, context, page_rows, runner=True, overlap=overlap)
         assert decodes > 0
         assert got == plain and got_reasons == reasons, overlap
+
+
+def batch_of(store, rows: list[tuple[int, int, int] | None], context: int) -> DecodeBatch:
+    """A DecodeBatch of (slot, token, position) rows, None a padded row (token 0, position 0, slot -1, page 0), as
+    the runner pads; tables as wide as a `context`-row stream's."""
+    tables = torch.zeros((len(rows), store.table_width(context)), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        if row is not None:
+            table = store.host_table(row[0])
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    live = [row or (-1, 0, 0) for row in rows]
+    return DecodeBatch(tokens=torch.tensor([t for _, t, _ in live]), positions=torch.tensor([p for _, _, p in live]),
+                       slots=torch.tensor([s for s, _, _ in live]), tables=tables)
+
+
+def fixed_states(store, slot: int) -> list[torch.Tensor]:
+    """Copies of every fixed state of a slot, layer by layer."""
+    return [store.fixed(i, spec.name, slot).clone() for i, layer in enumerate(store.layout.layers)
+            for spec in layer.fixed]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaN poison included."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
