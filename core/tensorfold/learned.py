@@ -34,6 +34,7 @@ from tensorfold.rows.guard import guard_root
 from tensorfold.rows.opening import remove_parts
 from tensorfold.rows.root import is_identity, list_identities, release_lock, take_lock
 from tensorfold.rows.shelf import Shelf, unlink
+from tensorfold.tiers.disk_mirror import rank_root
 
 
 @attrs.frozen
@@ -70,8 +71,9 @@ _RANK = re.compile(r"rank-[0-9]+")
 def stores(root: Path) -> list[Path]:
     """The root's store, then each tensor-parallel rank's under it (`rank-<k>/`, real folders only), by rank."""
     root = Path(root)
-    ranks = [p for p in root.iterdir() if _RANK.fullmatch(p.name) and real_dir(p)] if real_dir(root) else []
-    return [root, *sorted(ranks, key=lambda p: int(p.name.split("-")[1]))]
+    ranks = sorted(int(p.name.split("-")[1]) for p in root.iterdir() if _RANK.fullmatch(p.name) and real_dir(p)) \
+        if real_dir(root) else []
+    return [root, *(rank_root(root, k) for k in ranks)]
 
 
 def identities(root: Path) -> list[Identity]:
@@ -214,10 +216,10 @@ def same_state(parts: list[Identity], entry: StateEntry) -> list[str]:
     identity, so parts are paired by the rows and cuts they cover, and only where that pairing is unique in every
     part: a follower's part whose rank-0 part is gone can never be resumed, so pairing it by mistake loses nothing."""
     keys = [entry.key]
+    twins = sum(1 for e in parts[0].states if (e.at, e.cuts) == (entry.at, entry.cuts))
     for part in parts[1:]:
         alike = [e.key for e in part.states if (e.at, e.cuts) == (entry.at, entry.cuts)]
-        twins = [e for e in parts[0].states if (e.at, e.cuts) == (entry.at, entry.cuts)]
-        if len(alike) != 1 or len(twins) != 1:
+        if len(alike) != 1 or twins != 1:
             raise ValueError(f"the state {entry.key[:12]} ({entry.at} rows) cannot be told apart from another of "
                              f"the same rows and cuts in {part.label[:20]}: remove the whole identity instead")
         keys.append(alike[0])
