@@ -19,13 +19,22 @@ Shapes in comments: T rows, m streams (hc_mult), E hidden size, M = (2 + m)·m m
 
 Everything here except `hc_mixes` (one float32 GEMM over the rows) works row by row in a fixed order, so a row's
 result does not depend on the other rows of the call.
+
+On CUDA, hc_pre (after its mixes GEMM) and hc_post run hc_fused's Triton kernels: three launches per block instead
+of ~120 tiny torch ops. hc_post's kernel is bit for bit `spread`; the coefficients may differ from hc_coefficients
+in the last bits of float32 (exp and the softmax's last step), see hc_fused. The torch functions here are the CPU
+path and the reference.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import attrs
 import torch
 import torch.nn.functional as F
+
+from tensorfold.kernels.backend import use_triton
 
 
 @attrs.frozen
@@ -100,16 +109,37 @@ def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return total.to(streams.dtype)
 
 
+def _fused(streams: torch.Tensor) -> ModuleType | None:
+    """hc_fused where its kernels apply (CUDA with triton, m up to its MAX_STREAMS), else None: the torch form."""
+    if not use_triton(streams):
+        return None
+    from tensorfold_glm import hc_fused  # triton: the gpu extra
+    return hc_fused if streams.shape[1] <= hc_fused.MAX_STREAMS else None
+
+
 def hc_pre(w: HcWeights, streams: torch.Tensor, eps: float, iters: int, hc_eps: float
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entering a block: streams [T, m, E] -> (block input [T, E] in the streams' dtype, post [T, m] float32,
     comb [T, m, m] float32). eps is the model's rms_norm_eps, iters hc_sinkhorn_iters."""
-    pre, post, comb = hc_coefficients(w, hc_mixes(w, streams, eps), iters, hc_eps)
+    mixes = hc_mixes(w, streams, eps)
+    fused = _fused(streams)
+    if fused is not None:
+        return fused.coefficients_and_collapse(mixes, w.base, w.scale, streams, iters, hc_eps)
+    pre, post, comb = hc_coefficients(w, mixes, iters, hc_eps)
     return collapse(pre, streams), post, comb
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Leaving a block: stream'_j = post_j · out + Σ_i comb[i, j] · stream_i -> [T, m, E] in the streams' dtype.
+    """Leaving a block: stream'_j = post_j · out + Σ_i comb[i, j] · stream_i -> [T, m, E] in the streams' dtype
+    (`spread`; on CUDA its one-launch kernel, the same bits)."""
+    fused = _fused(streams)
+    if fused is not None:
+        return fused.post(block_out, streams, post, comb)
+    return spread(block_out, streams, post, comb)
+
+
+def spread(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """hc_post in torch ops: stream'_j = post_j · out + Σ_i comb[i, j] · stream_i -> [T, m, E] in streams' dtype.
 
     post and comb are cast to the streams' dtype first (as HF does); the comb mix is summed in float32 in stream
     order and rounded once (HF's batched matmul accumulates in float32 too), then added to post · out."""

@@ -5,7 +5,7 @@
                                                              input tail (the last K-1 columns) is a fixed state
     g = lower_bound · sigmoid(exp(A_log) · (f_b(f_a x) + dt_bias))      log decay per head and KEY CHANNEL (float32)
     beta = sigmoid(b_proj x)                                 how much each token writes, per head
-    q, k -> float32, l2-normalised as x / sqrt(Σx² + 1e-6), q · DK^-0.5
+    q, k -> float32, l2-normalised as x / sqrt(Σx² + 1e-6), q · DK^-0.5     (a bf16 CUDA prefill: see below)
     S_t = diag(exp(g_t)) S_{t-1};  S_t += k_t ⊗ beta_t (v_t - S_tᵀ k_t);  o_t = S_tᵀ q_t     state [H, DK, DV] float32
     out = o_proj(RMSNorm(o) · o_norm · sigmoid(g_b(g_a x)))  the norm and the gate in float32
 
@@ -13,7 +13,10 @@ A prefill step runs the chunked form (chunks of 64 on the absolute position grid
 depends only on the absolute rows a step covers and the state it starts from; a 1-token step always runs the
 recurrent form. A bf16 model on CUDA runs kernels/kda's dispatched op (fla-core's chunk_kda and fused recurrent
 step when installed: chunks counted from the step's first row, which keeps that property since steps start at
-fixed cuts). Without a lower bound the gate is HF's other form, -exp(A_log)·softplus(..).
+fixed cuts). Its prefill hands the op what HF's fla path hands fla's chunk_kda: q, k, v as the conv gives them and
+beta in the model's dtype, g float32, the l2norm done by the op (fla stores the normalised q, k in bf16) and
+scale DK^-0.5 applied by it, so fla's dots run in bf16 (float32 inputs make the same kernels much slower).
+Without a lower bound the gate is HF's other form, -exp(A_log)·softplus(..).
 
 Shapes in comments: T rows, E hidden, H heads, D head dim (DK = DV = D), C = 3·H·D conv channels, K kernel.
 """
@@ -50,13 +53,14 @@ class KdaWeights:
 
 def kimi_delta_attention(w: KdaWeights, heads: int, head_dim: int, conv_kernel: int, eps: float,
                          lower_bound: float | None, x: torch.Tensor, start: int, conv_tail: torch.Tensor,
-                         state: torch.Tensor) -> torch.Tensor:
+                         state: torch.Tensor, *, dispatch: bool | None = None) -> torch.Tensor:
     """One step's rows [start, start + T) through the layer: x [T, E] -> [T, E] in x's dtype.
 
     heads, head_dim, conv_kernel: linear_num_heads, linear_head_dim, linear_conv_kernel_dim; eps: rms_norm_eps
     (the output norm's); lower_bound: linear_lower_bound (None: the softplus gate). conv_tail [C, K-1] (x's dtype)
     and state [H, D, D] (float32) are the stream's fixed states, read and updated in place; at start 0 they are
-    taken as zero whatever they hold.
+    taken as zero whatever they hold. dispatch: run kernels/kda's dispatched op (None: for a reduced-precision
+    model on CUDA), or the exact naive form.
     """
     T, width = x.shape[0], heads * head_dim
     if w.conv.shape != (3 * width, conv_kernel):
@@ -77,30 +81,25 @@ def kimi_delta_attention(w: KdaWeights, heads: int, head_dim: int, conv_kernel: 
     q, k, v = qkv.view(T, 3, heads, head_dim).unbind(1)                            # [T, H, D] each
     g, beta = kda_gate(F.linear(F.linear(x, w.f_a_proj), w.f_b_proj), F.linear(x, w.b_proj), w.A_log,
                        w.dt_bias, lower_bound)                                     # [T, H, D] and [T, H], float32
-    q = l2norm(q.float()) * (1 / head_dim ** 0.5)                                  # HF's 1/sqrt(D), not D**-0.5
-    k = l2norm(k.float())
-    v = v.float()
-    if x.dtype != torch.float32 and x.device.type == "cuda":
-        out = _dispatched(q, k, v, g, beta, state, start)                          # [T, H, D]
-    elif T == 1:
-        out = recurrent_step(q[0], k[0], v[0], g[0], beta[0], state)[None]         # [1, H, D]
+    if dispatch is None:
+        dispatch = x.dtype != torch.float32 and x.device.type == "cuda"
+    if dispatch and T > 1:                # HF's fla path: q, k, v, beta as they are, l2norm and DK^-0.5 in the op
+        out, final = chunk_kda(q, k, v, g, beta.to(x.dtype), state, start, scale=head_dim ** -0.5, qk_l2norm=True)
+        state.copy_(final)                                                         # out [T, H, D], x's dtype
     else:
-        out, final = chunked(q, k, v, g, beta, state, start)                       # [T, H, D]
-        state.copy_(final)
+        q = l2norm(q.float()) * (1 / head_dim ** 0.5)                              # HF's 1/sqrt(D), not D**-0.5
+        k = l2norm(k.float())
+        v = v.float()
+        if dispatch:
+            out = recurrent_kda_step(q, k, v, g, beta, state[None], [0])           # [1, H, D]
+        elif T == 1:
+            out = recurrent_step(q[0], k[0], v[0], g[0], beta[0], state)[None]     # [1, H, D]
+        else:
+            out, final = chunked(q, k, v, g, beta, state, start)                   # [T, H, D]
+            state.copy_(final)
     gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj).view(T, heads, head_dim)  # [T, H, D]
     out = gated_norm(out.to(x.dtype), gate, w.o_norm, eps)                         # [T, H, D]
     return F.linear(out.reshape(T, width), w.o_proj)                               # [T, E]
-
-
-def _dispatched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, start: int) -> torch.Tensor:
-    """A reduced-precision model on CUDA runs kernels/kda's pick (fla-core's kernels when installed); float32
-    models and the CPU keep the exact naive form above."""
-    if q.shape[0] == 1:
-        return recurrent_kda_step(q, k, v, g, beta, state[None], [0])
-    out, final = chunk_kda(q, k, v, g, beta, state, start)
-    state.copy_(final)
-    return out
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@
 The clamp applies to the dense MLP, the shared expert and every routed expert alike. Ties in the top-k go to the
 lower index (torch.topk leaves tie order unspecified; on untied inputs both choose the same set). The routed sum
 follows HF's default `grouped_mm` experts path: each expert's output in the model dtype times its float32 weight,
-summed in float32 (here in ascending expert order), rounded once to the model dtype.
+summed in float32 (here in ascending expert order), rounded once to the model dtype. The decode step's `moe_routed`
+runs the same routing and sum with the experts' GEMMs in the kernels' sync-free `routed_experts`.
 
 Shapes in comments: T rows, E hidden size, F intermediate size, N experts, k experts per token, G groups.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 import attrs
 import torch
 import torch.nn.functional as F
+
+from tensorfold.kernels.moe import routed_experts as kernel_experts
 
 
 @attrs.frozen
@@ -123,3 +126,21 @@ def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_
     else:
         routed = routed_experts(w, x, weights, chosen, limit)
     return routed + swiglu(w.shared_experts, x, limit)
+
+
+def moe_routed(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
+               n_group: int, topk_group: int, limit: float | None) -> torch.Tensor:
+    """`moe` with no host sync, for the decode step: the routing as above (tensor ops), each (row, expert) pair
+    through the kernels' `routed_experts` as its own row of weight 1 (the clamped SwiGLU; a sync-free grouped GEMM
+    on the GPU, capturable in a CUDA graph), so each pair's output is the expert's in x's dtype and the float32
+    weighted sum in ascending expert order stays this module's (the kernel weights and sums in x's dtype)."""
+    weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)   # [T, k] each
+    T, k = chosen.shape
+    pairs = x[:, None].expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])         # [T·k, E]
+    ones = torch.ones(T * k, 1, dtype=x.dtype, device=x.device)
+    hidden = kernel_experts(pairs, chosen.reshape(T * k, 1), ones, w.gate_up, w.down, kind="decode",
+                            limit=limit).view(T, k, x.shape[1])                     # [T, k, E] x's dtype
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)              # [T, E]
+    for j in range(k):
+        total = total + hidden[:, j].float() * weights[:, j, None]
+    return total.to(x.dtype) + swiglu(w.shared_experts, x, limit)

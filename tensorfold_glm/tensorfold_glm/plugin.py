@@ -222,7 +222,7 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "kda": (f"heads={c.linear_num_heads} head_dim={c.linear_head_dim} conv={c.linear_conv_kernel_dim} "
                 f"{bound}"),
         "kda_state": f"recurrent float32, conv tail {act} (last {c.linear_conv_kernel_dim - 1} inputs of [q|k|v])",
-        "kda_algorithm": f"chunked {CHUNK} on the absolute grid; 1-token steps recurrent",
+        "kda_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {act}; 1-token steps recurrent",
     }
 
 

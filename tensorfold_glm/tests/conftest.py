@@ -1,5 +1,13 @@
-"""Fixtures every glm family test uses: its own working directory and one torch thread (tensorfold.testing)."""
+"""Fixtures every glm family test uses: its own working directory and one torch thread (tensorfold.testing). Without
+CUDA, triton kernels (hc_fused's) run in triton's interpreter, chosen before a kernel module is first imported."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from tensorfold.testing.fixtures import one_thread, own_cwd  # noqa: F401  (imported fixtures are active)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -263,7 +263,8 @@ def test_declarations_through_the_entry_point(tmp_path: Path) -> None:
     identity = found.identity
     assert identity["schedule"] == "LLLI" and identity["dtype"] == "bfloat16"
     assert "ties: lower pool wins" in identity["indexer"] and "kpool=4" in identity["indexer"]
-    assert "chunked 64 on the absolute grid" in identity["kda_algorithm"]
+    assert identity["kda_algorithm"] == ("chunked 64 on the absolute grid from q, k, v in bfloat16; "
+                                         "1-token steps recurrent")
     assert family.refusals(config, Settings(context=4096)) == []
 
 

@@ -5,8 +5,9 @@ is flat) and copied into KdaWeights. Checked: a one-shot prefill of 100 rows aga
 a prefill cut at arbitrary points and then a token-by-token decode against HF driven step by step through its
 cache (DynamicCache -> LinearAttentionLayer: conv_states[0] [1, C, K], recurrent_states[0] [1, H, D, D]), outputs
 and the states it holds; cuts at multiples of 64 bitwise equal to one shot; a garbage slot at start 0; bf16 against
-HF in bf16 (conv, A_log, dt_bias kept float32, as HF keeps them). Both gates: the safe gate (lower bound -5, the
-model's) and the softplus one. Run with -s for the measured differences (`GLM-KDA {...}` lines).
+HF in bf16 (conv, A_log, dt_bias kept float32, as HF keeps them); the dispatched form's call of the chunked op
+(HF's call of fla) and, on CUDA, its bf16 against HF's. Both gates: the safe gate (lower bound -5, the model's) and
+the softplus one. Run with -s for the measured differences (`GLM-KDA {...}` lines).
 """
 
 from __future__ import annotations
@@ -64,14 +65,15 @@ def weights(layer) -> KdaWeights:
 
 
 def ours(layer, x: torch.Tensor, cuts: list[int], tail: torch.Tensor | None = None,
-         state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         state: torch.Tensor | None = None, dispatch: bool | None = None,
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our layer over x [T, E] in steps [cuts[i], cuts[i+1]); returns (out [T, E], conv tail, state)."""
     w = weights(layer)
-    tail = torch.zeros(C, K - 1, dtype=x.dtype) if tail is None else tail
-    state = torch.zeros(H, D, D) if state is None else state
+    tail = torch.zeros(C, K - 1, dtype=x.dtype, device=x.device) if tail is None else tail
+    state = torch.zeros(H, D, D, device=x.device) if state is None else state
     lower_bound = layer.forget_gate.safe_gate_lower_bound
     with torch.no_grad():
-        outs = [kimi_delta_attention(w, H, D, K, EPS, lower_bound, x[a:b], a, tail, state)
+        outs = [kimi_delta_attention(w, H, D, K, EPS, lower_bound, x[a:b], a, tail, state, dispatch=dispatch)
                 for a, b in zip(cuts, cuts[1:], strict=False)]
     return torch.cat(outs), tail, state
 
@@ -158,14 +160,20 @@ def test_start_zero_ignores_what_the_slot_held():
     assert all(torch.equal(a, b) for a, b in zip(fresh, dirty, strict=True))
 
 
-def test_bf16_tracks_hf_bf16():
-    """In bf16 (conv weight, A_log, dt_bias float32, as HF keeps them at a bf16 load) both sides round the same
-    activations; they differ by the chunk grid and bf16 noise only."""
-    layer, config = hf_layer(-5.0, seed=10)
+def bf16_layer(seed: int):
+    """The HF layer loaded in bf16 as HF loads it: conv weight, A_log, dt_bias kept float32."""
+    layer, config = hf_layer(-5.0, seed=seed)
     layer = layer.to(torch.bfloat16)
     with torch.no_grad():
         for p in (layer.conv1d.weight, layer.forget_gate.A_log, layer.forget_gate.dt_bias):
             p.data = p.data.float()
+    return layer, config
+
+
+def test_bf16_tracks_hf_bf16():
+    """In bf16 (conv weight, A_log, dt_bias float32, as HF keeps them at a bf16 load) both sides round the same
+    activations; they differ by the chunk grid and bf16 noise only."""
+    layer, config = bf16_layer(seed=10)
     x = hidden(90, seed=11, dtype=torch.bfloat16)
     cuts = [0, 50, 89, 90]                                                          # a prefill, a decode step
     out, tail, state = ours(layer, x, cuts)
@@ -175,6 +183,67 @@ def test_bf16_tracks_hf_bf16():
     report(test="bf16", **diffs)
     assert out.dtype == torch.bfloat16 and tail.dtype == torch.bfloat16 and state.dtype == torch.float32
     assert torch.equal(tail, cached.conv_states[0][0][:, 1:])
+    assert diffs["out_relative"] < 2e-2 and diffs["state"] < 2e-2
+
+
+def recording_chunk_op(monkeypatch) -> list[tuple[tuple, dict]]:
+    """Every call the layer makes to kernels/kda's chunked op (the real op still runs), in order."""
+    import tensorfold_glm.kda
+    from tensorfold.kernels.kda import chunk_kda
+    calls: list[tuple[tuple, dict]] = []
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return chunk_kda(*args, **kwargs)
+
+    monkeypatch.setattr(tensorfold_glm.kda, "chunk_kda", recorded)
+    return calls
+
+
+def test_dispatched_prefill_hands_the_op_what_hf_hands_fla(monkeypatch):
+    """The dispatched form (a bf16 model on CUDA; forced here, where kernels/kda's op is the naive one) hands the
+    chunked op q, k, v and beta in bf16 as the conv and the sigmoid give them, g float32, l2norm and scale
+    DK^-0.5 left to the op: HF's call of fla's chunk_kda. On the CPU that gives the reference form's bits."""
+    from tensorfold_glm.kda import causal_conv
+    layer, _ = bf16_layer(seed=12)
+    x = hidden(90, seed=13, dtype=torch.bfloat16)
+    cuts = [0, 50, 89, 90]                                                          # two prefills, a decode step
+    calls = recording_chunk_op(monkeypatch)
+    out, tail, state = ours(layer, x, cuts, dispatch=True)
+    assert len(calls) == 2                                                          # the 1-row step: recurrent
+    for (q, k, v, g, beta, *_), options in calls:
+        assert q.dtype == k.dtype == v.dtype == beta.dtype == torch.bfloat16 and g.dtype == torch.float32
+        assert options == {"scale": D ** -0.5, "qk_l2norm": True}
+    assert [call[0][6] for call in calls] == [0, 50]
+    w = weights(layer)
+    with torch.no_grad():
+        projected = torch.cat([torch.nn.functional.linear(x[:50], p) for p in (w.q_proj, w.k_proj, w.v_proj)], -1)
+        raw = causal_conv(projected, w.conv, torch.zeros(C, K - 1, dtype=torch.bfloat16)).view(50, 3, H, D)
+        beta = torch.sigmoid(torch.nn.functional.linear(x[:50], w.b_proj))
+    (q, k, v, _, b, _, _), _ = calls[0]
+    assert torch.equal(q, raw[:, 0]) and torch.equal(k, raw[:, 1]) and torch.equal(v, raw[:, 2])   # not normalised
+    assert torch.equal(b, beta)
+    reference = ours(layer, x, cuts, dispatch=False)
+    assert len(calls) == 2                                                          # the reference calls no op
+    assert all(torch.equal(a, b) for a, b in zip((out, tail, state), reference, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_on_cuda_tracks_hf_bf16_on_cuda(monkeypatch):
+    """On CUDA a bf16 layer runs the dispatched op (fla-core's chunk_kda when installed) from bf16 q, k, v, as HF
+    does (through fla when installed there too): both within the CPU bf16 test's bound of HF."""
+    layer, config = bf16_layer(seed=10)
+    layer = layer.cuda()
+    x = hidden(200, seed=11, dtype=torch.bfloat16).cuda()
+    cuts = [0, 130, 199, 200]                                                       # two prefills, a decode step
+    calls = recording_chunk_op(monkeypatch)
+    out, _, state = ours(layer, x, cuts)
+    assert [call[0][0].dtype for call in calls] == [torch.bfloat16] * 2
+    their_out, cached = theirs(layer, config, x, cuts)
+    scale = float(their_out.float().abs().max())
+    diffs = {"out_relative": worst(out, their_out) / scale, "state": worst(state, cached.recurrent_states[0][0])}
+    report(test="bf16_cuda", **diffs)
     assert diffs["out_relative"] < 2e-2 and diffs["state"] < 2e-2
 
 

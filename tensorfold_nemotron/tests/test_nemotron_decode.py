@@ -21,11 +21,10 @@ from functools import partial
 import pytest
 import torch
 
-from tensorfold.engine.graphs import DecodeRunner
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import decode_engine, kit
-from tensorfold.testing.decode_engine import check_engine_with_decode, fixed_states, same_bytes
+from tensorfold.testing.decode_engine import check_engine_with_decode, fixed_states
 from tensorfold_nemotron import plugin
 
 CONTEXT, PAGE_ROWS, SLOTS, STEPS = 96, 16, 5, 8
@@ -73,33 +72,12 @@ def subjects(family, checkpoints):
 
 
 def prefill(subject, store, prompts: dict[int, int]) -> dict[int, int]:
-    """Each prompt through `forward` alone; each stream's greedy first token."""
-    first = {}
-    for slot, length in prompts.items():
-        logits = subject.model.forward(StepPlan((StreamStep(slot, 0, tokens(length, slot)),)), store)
-        first[slot] = int(logits[0].argmax())
-    return first
-
-
-
-
+    """Each prompt (slot -> length) through `forward` alone; each stream's greedy first token."""
+    return decode_engine.prefill(subject, store, {slot: tokens(n, slot) for slot, n in prompts.items()})
 
 
 def row_states(store, slot: int, end: int) -> list[torch.Tensor]:
     return [store.rows(i, spec.name, slot, end) for i, layer in enumerate(store.layout.layers) for spec in layer.rows]
-
-
-def all_pages(store) -> list[torch.Tensor]:
-    """Every row state's pages flat [pages · R, *shape], cloned."""
-    return [store.row_pages(i, spec.name).flatten(0, 1).clone() for i, layer in enumerate(store.layout.layers)
-            for spec in layer.rows]
-
-
-
-
-def flat_row(store, slot: int, position: int) -> int:
-    table = store.host_table(slot)
-    return table[position // PAGE_ROWS] * PAGE_ROWS + position % PAGE_ROWS
 
 
 @pytest.mark.parametrize("page_rows", [PAGE_ROWS, None], ids=["paged", "window"])
@@ -138,38 +116,10 @@ def test_a_padded_batch_matches_forward_and_pads_write_nothing(subjects, variant
     reference, decoded = (subject.store(SLOTS, CONTEXT, page_rows=PAGE_ROWS) for _ in range(2))
     token = prefill(subject, reference, PROMPTS)
     prefill(subject, decoded, PROMPTS)
-    idle = (2, SLOTS - 1)
-    for slot in idle:   # something a stray write would change
-        for i, layer in enumerate(decoded.layout.layers):
-            for spec in layer.fixed:
-                decoded.fixed(i, spec.name, slot).copy_(torch.randn(decoded.fixed(i, spec.name, slot).shape))
-    kept = {slot: fixed_states(decoded, slot) for slot in idle}
-    order = [3, None, 0, 1, None, None, None, None]
-    position, worst = dict(PROMPTS), 0.0
-    for _ in range(STEPS):
-        live = [slot for slot in order if slot is not None]
-        expected = subject.model.forward(
-            StepPlan(tuple(StreamStep(slot, position[slot], (token[slot],)) for slot in live)), reference)
-        pages = all_pages(decoded)
-        got = subject.model.decode(
-            batch_of(decoded, [None if s is None else (s, token[s], position[s]) for s in order]), decoded)
-        got = got[[i for i, slot in enumerate(order) if slot is not None]]
-        assert got.shape == expected.shape
-        worst = max(worst, float((expected - got).abs().max()))
-        if dtype == torch.float32:
-            assert torch.equal(expected.argmax(-1), got.argmax(-1))
-        written = [flat_row(decoded, slot, position[slot]) for slot in live]
-        for before, after in zip(pages, all_pages(decoded), strict=True):
-            untouched = torch.ones(before.shape[0], dtype=torch.bool)
-            untouched[written] = False
-            assert same_bytes(before[untouched], after[untouched]), "a padded row wrote a page row"
-        for i, slot in enumerate(live):
-            token[slot] = int(expected[i].argmax())
-            position[slot] += 1
+    position = dict(PROMPTS)
+    worst = decode_engine.padded_steps(subject, reference, decoded, token, position, STEPS, CONTEXT,
+                                       subject.model.forward, exact_tokens=dtype == torch.float32)
     assert worst <= TOLERANCE[dtype]
-    for slot in idle:
-        assert all(same_bytes(a, b) for a, b in zip(kept[slot], fixed_states(decoded, slot), strict=True)), \
-            f"a padded row wrote idle slot {slot}'s state"
     states = {}
     for slot in PROMPTS:
         pairs = zip(fixed_states(reference, slot) + row_states(reference, slot, position[slot]),
@@ -183,21 +133,8 @@ def test_a_padded_batch_matches_forward_and_pads_write_nothing(subjects, variant
 
 def test_the_runner_takes_decode_steps_and_falls_back_otherwise(subjects):
     subject = subjects["tiny", torch.float32]
-    store = subject.store(3, CONTEXT, page_rows=PAGE_ROWS)
-    runner = DecodeRunner(subject.model, store, sizes=(1, 2), context=CONTEXT, graphs=False)
-    chunk = StepPlan((StreamStep(0, 0, tokens(5, 0)),))
-    first_token = StepPlan((StreamStep(1, 0, (7,)),))
-    too_many = StepPlan(tuple(StreamStep(s, 5, (7,)) for s in range(3)))
-    decode = StepPlan((StreamStep(0, 5, (9,)),))
-    assert not runner.covers(chunk, store) and not runner.covers(first_token, store)
-    assert not runner.covers(too_many, store)
-    assert not runner.covers(decode, subject.store(3, CONTEXT, page_rows=PAGE_ROWS))
-    reference = subject.store(3, CONTEXT, page_rows=PAGE_ROWS)
-    for kv in (store, reference):
-        subject.model.forward(chunk, kv)
-    assert runner.covers(decode, store)
-    got, expected = runner.forward(decode, store), subject.model.forward(decode, reference)
-    assert got.shape == (1, subject.model.vocab_size)
+    got, expected, _, _ = decode_engine.runner_covers_decode_steps(subject, tokens(5, 0), CONTEXT, PAGE_ROWS,
+                                                                   subject.model.forward)
     assert float((got - expected).abs().max()) <= TOLERANCE[torch.float32]
 
 

@@ -1,13 +1,15 @@
 """The batched forward: every stream's rows of a step through each layer together (the GPU path).
 
-    rows of all streams -> one [N, E] tensor; norms and MLPs run once over all N rows
+    rows of all streams -> one [N, E] tensor; norms and MLPs run once over all N rows, each residual add fused
+                    into the norm after it (the sum rounded as the unfused add rounds it)
     1-row streams:  the decode step's own layer functions (decode.py), batched over their slots, so a stream's
                     decode row computes the same thing whether a step also holds prefill chunks or not
     longer streams: packed end to end, their GEMMs, norms and rotations once over all their rows; the causal
                     conv one stream at a time (its tail is the stream's); the chunked delta rule in one varlen
                     call (cu_seqlens, each stream's initial state gathered by slot, final states scattered back);
                     keys and values written through each row's page table, then one varlen paged prefill
-                    attention. A step's launches grow with its layers, not with its prefilling streams
+                    attention. A step's launches grow with its layers, not with its prefilling streams; a step
+                    with no one-row stream hands its rows to the mixers as they are (no gather, no scatter)
 
 It computes what `QwenModel.hidden` computes, but a row's GEMMs now share a batch with other streams' rows, so
 its bits may depend on the batch (a GEMM's kernel choice depends on N): concurrent == solo is measured on the
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kernels.causal_conv1d import causal_conv1d_prefill
-from tensorfold.kernels.gated_delta import chunk_gated_delta, gdn_gate
+from tensorfold.kernels.gated_delta import chunk_gated_delta, gdn_gate_from_terms
 from tensorfold.kernels.paged_attention import paged_prefill_varlen
 from tensorfold.kernels.paged_write import row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -120,24 +122,37 @@ def batched_forward(model, plan: StepPlan, kv: KvStore) -> torch.Tensor:
     rows = flatten(plan, model.device)
     fresh = [rows.slots[i] for i, start in enumerate(rows.starts) if start == 0]
     x = w.embed[rows.tokens]                                                           # [N, E]
-    for index, layer in enumerate(w.layers):
-        h = rms_norm(x, layer.input_norm, c.rms_norm_eps, zero_centred=True)
-        if isinstance(layer.mixer, GdnWeights):
-            for slot in fresh:
-                kv.fixed(index, CONV, slot).zero_()
-                kv.fixed(index, RECURRENT, slot).zero_()
-            mixed = gdn(layer.mixer, c, h, rows, index, kv)
-        else:
-            mixed = attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
-        x = x + model.shard.reduce(mixed)                                              # row-parallel: summed
-        h = rms_norm(x, layer.post_norm, c.rms_norm_eps, zero_centred=True)
-        x = x + model.shard.reduce(ffn(layer.ffn, h, rows))
+    h = rms_norm(x, w.layers[0].input_norm, c.rms_norm_eps, zero_centred=True)
+    for index in range(len(w.layers)):
+        h, x = layer_step(model, index, h, x, rows, kv, fresh)
     last = x[rows.sampled_rows]
     logits = F.linear(rms_norm(last, w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
     if rows.extra_rows is None:
         return logits
     extra = F.linear(rms_norm(x[rows.extra_rows], w.norm, c.rms_norm_eps, zero_centred=True), w.lm_head).float()
     return torch.cat([logits, extra]).index_select(0, rows.logit_order)
+
+
+def layer_step(model, index: int, h: torch.Tensor, x: torch.Tensor, rows: Rows, kv: KvStore, fresh: list[int]
+               ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Layer `index` over the step's rows, from x (the residual stream, [N, E]) and h (its input norm): returns
+    the next layer's h and x. Each residual add is fused into the norm after it (the kernel rounds the sum as
+    `x + out` does); the last layer's is not (h None), as the final norm reads only the rows that give logits."""
+    c, w = model.config, model.weights
+    layer = w.layers[index]
+    if isinstance(layer.mixer, GdnWeights):
+        for slot in fresh:                                                             # streams starting here
+            kv.fixed(index, CONV, slot).zero_()
+            kv.fixed(index, RECURRENT, slot).zero_()
+        mixed = gdn(layer.mixer, c, h, rows, index, kv)
+    else:
+        mixed = attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
+    h, x = rms_norm(model.shard.reduce(mixed), layer.post_norm, c.rms_norm_eps, zero_centred=True,
+                    residual=x)                                                        # row-parallel: summed
+    out = model.shard.reduce(ffn(layer.ffn, h, rows))
+    if index + 1 == len(w.layers):
+        return None, x + out
+    return rms_norm(out, w.layers[index + 1].input_norm, c.rms_norm_eps, zero_centred=True, residual=x)
 
 
 def ffn(w, h: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -153,8 +168,16 @@ def ffn(w, h: torch.Tensor, rows: Rows) -> torch.Tensor:
     return out
 
 
+def only_longer(rows: Rows) -> bool:
+    """Every row of the step is a prefilling stream's, in order (longer_rows is 0 .. N-1): a mixer takes them as
+    they are, no gather in and no scatter out."""
+    return bool(rows.longer) and not rows.single
+
+
 def gdn(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: KvStore) -> torch.Tensor:
     """Gated DeltaNet over the step's rows: [N, E] -> [N, E]; one-row streams exactly as the decode step runs."""
+    if only_longer(rows):
+        return gdn_chunks(w, c, h, rows, index, kv)
     out = torch.empty_like(h)
     if rows.single:
         out[rows.single_rows] = decode.gdn(w, c, h[rows.single_rows], rows.single_slots, index, kv)
@@ -168,8 +191,9 @@ def gdn_chunks(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: Kv
     T, C, Z, NV = h.shape[0], 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim, c.v_heads * c.v_dim, c.v_heads
     proj = F.linear(h, w.in_proj)                                                      # [T, C + Z + 2·NV]
     bounds = rows.packed
-    mixed = torch.cat([causal_conv1d_prefill(proj[a:b, :C], w.conv, kv.fixed(index, CONV, rows.slots[i]))
-                       for i, a, b in zip(rows.longer, bounds[:-1], bounds[1:], strict=True)])   # [T, C]
+    mixed = torch.empty((T, C), dtype=h.dtype, device=h.device)                        # [T, C]
+    for i, a, b in zip(rows.longer, bounds[:-1], bounds[1:], strict=True):            # each stream's rows in place
+        causal_conv1d_prefill(proj[a:b, :C], w.conv, kv.fixed(index, CONV, rows.slots[i]), out=mixed[a:b])
     q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
     repeat = NV // c.k_heads
     # q, k normalised in float32, then in the model's dtype like v: what fla's kernels read best (a bf16 model's
@@ -177,7 +201,8 @@ def gdn_chunks(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: Kv
     q = (l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
          ).to(h.dtype)
     k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()).to(h.dtype)
-    g, beta = gdn_gate(proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.A_log, w.dt_bias)   # [T, NV] each
+    g, beta = gdn_gate_from_terms(proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.gate_decay,
+                                  w.gate_bias)                                         # [T, NV] each
     states = kv.fixed_states(index, RECURRENT)                                         # [slots, NV, DK, DV]
     out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim), g, beta,
                                    states.index_select(0, rows.longer_slots), cu_seqlens=bounds,
@@ -192,8 +217,10 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, rows: Rows, index: int, k
               inv_freq: torch.Tensor) -> torch.Tensor:
     """Gated attention over the step's rows, keys in pages: [N, E] -> [N, E]; one-row streams exactly as the
     decode step runs."""
-    out = torch.empty_like(h)
     tables = kv.tables(list(rows.slots))                                               # int32 [streams, width]
+    if only_longer(rows):
+        return attention_chunks(w, c, h, rows.positions, tables, rows, index, kv, inv_freq)
+    out = torch.empty_like(h)
     page_rows = kv.row_pages(index, KEYS).shape[1]
     if rows.single:
         r = rows.single_rows

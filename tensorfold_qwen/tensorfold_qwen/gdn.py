@@ -20,7 +20,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from tensorfold.kernels.gated_delta import naive
+from tensorfold.kernels.gated_delta import gate_terms, naive
 from tensorfold.kernels.gated_delta.naive import l2norm, recurrent_step
 from tensorfold_qwen.config import QwenConfig
 from tensorfold_qwen.layers import gated_rms_norm
@@ -41,6 +41,17 @@ class GdnWeights:
     out_proj: torch.Tensor              # [E, NV·DV]
     in_proj: torch.Tensor | None = None  # [C + NV·DV + 2·NV, E]: qkv, z, b, a in one matrix (fused.py), the four
                                          # above being row views of it; the decode step's one GEMM
+    gate_decay: torch.Tensor | None = None  # [NV] float32: -exp(A_log), computed once (with_gate_terms)
+    gate_bias: torch.Tensor | None = None   # [NV] float32: dt_bias in float32, computed once (with_gate_terms)
+
+
+def with_gate_terms(w: GdnWeights) -> GdnWeights:
+    """The layer with its gate's per-layer factors computed once, on its weights' device (the batched step's gate
+    reads them: the same bits as computing them in every step, without their launches)."""
+    if w.gate_decay is not None:
+        return w
+    decay, bias = gate_terms(w.A_log, w.dt_bias)
+    return attrs.evolve(w, gate_decay=decay, gate_bias=bias)
 
 
 def gated_delta_net(w: GdnWeights, c: QwenConfig, x: torch.Tensor, start: int,

@@ -26,7 +26,7 @@ from tensorfold.shard import SINGLE, Shard
 from tensorfold_qwen.attention import AttentionWeights, gated_attention
 from tensorfold_qwen.config import QwenConfig
 from tensorfold_qwen.fused import fuse_mixer
-from tensorfold_qwen.gdn import GdnWeights, gated_delta_net
+from tensorfold_qwen.gdn import GdnWeights, gated_delta_net, with_gate_terms
 from tensorfold_qwen.layers import inverse_frequencies, rms_norm, rope_tables
 from tensorfold_qwen.mlp import MlpWeights, MoeWeights, moe, swiglu
 
@@ -54,13 +54,19 @@ class Weights:
     lm_head: torch.Tensor               # [V, E]       lm_head.weight (the embedding itself when tied)
 
 
+def prepared(mixer: GdnWeights | AttentionWeights) -> GdnWeights | AttentionWeights:
+    """A layer's mixer as the steps read it: input projections stacked, a GDN gate's per-layer factors computed."""
+    mixer = fuse_mixer(mixer)
+    return with_gate_terms(mixer) if isinstance(mixer, GdnWeights) else mixer
+
+
 class QwenModel:
     """A loaded Qwen3.5 checkpoint; `forward(plan, kv)` is the FamilyModel entry the engine calls."""
 
     def __init__(self, config: QwenConfig, weights: Weights, shard: Shard = SINGLE) -> None:
         self.config = config                                                   # this rank's (QwenConfig.on_rank)
         self.shard = shard
-        self.weights = attrs.evolve(weights, layers=tuple(attrs.evolve(layer, mixer=fuse_mixer(layer.mixer))
+        self.weights = attrs.evolve(weights, layers=tuple(attrs.evolve(layer, mixer=prepared(layer.mixer))
                                                           for layer in weights.layers))
         self.vocab_size = config.vocab_size
         self.dtype = weights.embed.dtype

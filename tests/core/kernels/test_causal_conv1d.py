@@ -98,6 +98,13 @@ def test_prefill_rejects_bad_arguments(bad, match):
         causal_conv1d_prefill(**args)
 
 
+def test_prefill_rejects_a_bad_out():
+    x, w, tail, _ = inputs(4, 37, 4, torch.float32)
+    for out in (torch.zeros(3, 37), torch.zeros(4, 37, dtype=torch.bfloat16), torch.zeros(37, 4).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            causal_conv1d_prefill(x, w, tail, out=out)
+
+
 def test_update_rejects_bad_slots_and_tails():
     x, w, _, _ = inputs(2, 37, 4, torch.float32)
     tails = torch.zeros(3, 37, 3)
@@ -205,3 +212,25 @@ def test_update_padded_rows_touch_no_tail(path, device):
     assert torch.equal(y[[0, 2]].cpu(), alone.cpu())
     assert torch.equal(y[[1, 3]].cpu(), torch.zeros(2, 37))
     assert torch.equal(padded.cpu(), live_only.cpu())
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("triton", [False, True], ids=["naive", "triton"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_into_slices_of_one_buffer_is_the_concatenation_bitwise(triton, dtype, device, monkeypatch):
+    """Streams packed end to end, each stream's rows written into its slice of one buffer (`out`): the bits and
+    tails of each stream's own output, concatenated (what the batched step did before)."""
+    import tensorfold.kernels.causal_conv1d as package
+    if triton:
+        from tensorfold.kernels.causal_conv1d import triton_conv  # noqa: F401  (imported under the interpreter)
+    monkeypatch.setattr(package, "use_triton", lambda t: triton)
+    C, K, bounds = 40, 4, (0, 1, 13, 30)
+    x, w, _, _ = (t.to(device) if t is not None else None for t in inputs(bounds[-1], C, K, dtype))
+    tails = randn(len(bounds) - 1, C, K - 1, dtype=dtype, seed=5).to(device)
+    expected_tails, got_tails = tails.clone(), tails.clone()
+    expected = torch.cat([causal_conv1d_prefill(x[a:b], w, expected_tails[i])
+                          for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
+    packed = torch.empty(bounds[-1], C, dtype=dtype, device=device)
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        assert causal_conv1d_prefill(x[a:b], w, got_tails[i], out=packed[a:b]).data_ptr() == packed[a:b].data_ptr()
+    assert torch.equal(packed, expected) and torch.equal(got_tails, expected_tails)

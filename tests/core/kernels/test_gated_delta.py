@@ -336,3 +336,21 @@ def test_triton_gated_step_matches_naive(device, dtype):
     assert worst(pool, ref_pool) < 1e-5
     assert relative(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert torch.equal(pool[[1, 3]], states[[1, 3]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_from_terms_is_the_gate_bitwise(device, dtype):
+    """The gate's per-layer factors computed once (gate_terms) give the bits of the gate computed in the step
+    (written out here as the models wrote it), from a and b cut out of one projection as the batched step cuts
+    them, on this device (a bf16 a is promoted to float32 inside the add, exactly)."""
+    NV = 16
+    proj, _, A_log, dt_bias = _raw_gate(9, 3 * NV, device, dtype, seed=17)
+    proj[0, 0], proj[1, NV + 1], proj[2, 2] = 25.0, -18.0, 0.0                     # softplus's three branches
+    a, b, A_log, dt_bias = proj[:, NV:2 * NV], proj[:, 2 * NV:], A_log[:NV], dt_bias[:NV]
+    g, beta = gated_delta.gdn_gate_from_terms(a, b, *gated_delta.gate_terms(A_log, dt_bias))
+    expected_g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    assert g.dtype == beta.dtype == torch.float32
+    assert torch.equal(g, expected_g) and torch.equal(beta, torch.sigmoid(b).float())
+    assert all(torch.equal(x, y) for x, y in zip(gated_delta.gdn_gate(a, b, A_log, dt_bias), (g, beta), strict=True))
+    with pytest.raises(ValueError, match="float32"):
+        gated_delta.gdn_gate_from_terms(a, b, A_log.bfloat16(), dt_bias.float())

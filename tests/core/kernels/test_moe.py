@@ -34,13 +34,17 @@ def case(T: int, k: int, N: int, dtype: torch.dtype, seed: int, hidden: int = E,
     return x, chosen, weights, gate_up, down
 
 
-def per_row(x, chosen, weights, gate_up, down) -> torch.Tensor:
-    """The definition, one row and one expert at a time, summed in ascending expert order."""
+def per_row(x, chosen, weights, gate_up, down, limit: float | None = None) -> torch.Tensor:
+    """The definition, one row and one expert at a time, summed in ascending expert order; with `limit`, the
+    clamped SwiGLU silu(min(g, limit)) · clamp(u, -limit, limit)."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in sorted(range(chosen.shape[1]), key=lambda j: int(chosen[t, j])):
             gate, up = gate_up[int(chosen[t, j])].chunk(2)
-            hidden = F.silu(gate @ x[t]) * (up @ x[t])
+            g, u = gate @ x[t], up @ x[t]
+            if limit is not None:
+                g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            hidden = F.silu(g) * u
             out[t] += (down[int(chosen[t, j])] @ hidden) * weights[t, j]
     return out
 
@@ -49,9 +53,12 @@ def on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(device) for t in tensors]
 
 
-def triton_call(device: str, *args: torch.Tensor) -> torch.Tensor:
+def triton_call(device: str, *args: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     from tensorfold.kernels.moe import triton_moe
-    return triton_moe.routed_experts(*on(device, *args)).cpu()
+    return triton_moe.routed_experts(*on(device, *args), limit=limit).cpu()
+
+
+LIMIT = 0.5   # the clamp tests' swiglu limit: below many of the unit-scale gate and up values, so it binds
 
 
 # ---- naive (no triton needed) -------------------------------------------------------------------------------
@@ -83,6 +90,17 @@ def test_naive_is_the_routed_part_of_qwen_moe(dtype):
     reference = mlp.moe(w, x)
     assert torch.equal(naive.routed_experts(x, chosen, weights, gate_up, down) + shared, reference)
     assert torch.equal(mlp.moe_routed(w, x), reference)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_naive_clamps_the_swiglu_with_a_limit(dtype):
+    """limit: silu(min(g, L)) · clamp(u, -L, L); the case's gate and up values pass L both ways, so the clamp
+    changes the result; a limit above every value changes nothing."""
+    args = case(9, 2, 8, dtype, seed=21)
+    got = routed_experts(*args, limit=LIMIT)
+    torch.testing.assert_close(got, per_row(*args, limit=LIMIT), **TOLERANCE[dtype])
+    assert not torch.allclose(got.float(), routed_experts(*args).float(), atol=1e-2)
+    assert torch.equal(routed_experts(*args, limit=1e6), routed_experts(*args))
 
 
 def test_cpu_dispatch_is_naive():
@@ -117,6 +135,8 @@ def test_rejects_bad_arguments():
         routed_experts(x, chosen, weights, gate_up, down[:3])
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
         routed_experts(x, chosen + 3, weights, gate_up, down)
+    with pytest.raises(ValueError, match="limit clamps the silu_gate activation only"):
+        routed_experts(x, chosen, weights, gate_up[:, :FF], down, activation="relu2", limit=1.0)
 
 
 # ---- triton (GPU, or the interpreter on the CPU) ------------------------------------------------------------
@@ -131,6 +151,17 @@ def test_triton_matches_naive(T, k, N, dtype, device):
     got = triton_call(device, *args)
     assert got.dtype == dtype and got.shape == (T, E)
     torch.testing.assert_close(got, naive.routed_experts(*args), **TOLERANCE[dtype])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, k", [(1, 2), (33, 4)])
+def test_triton_clamps_like_naive(T, k, dtype, device):
+    """The clamped SwiGLU (limit), one block per pair (T·k <= 64) and grouped by expert."""
+    args = case(T, k, 8, dtype, seed=31 + T)
+    got = triton_call(device, *args, limit=LIMIT)
+    torch.testing.assert_close(got, naive.routed_experts(*args, limit=LIMIT), **TOLERANCE[dtype])
+    assert not torch.allclose(got.float(), naive.routed_experts(*args).float(), atol=1e-2)   # the clamp binds
 
 
 @pytest.mark.triton

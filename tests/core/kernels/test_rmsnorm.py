@@ -142,3 +142,41 @@ def test_triton_empty(device):
     assert triton_rmsnorm.rms_norm(torch.ones(0, 8, device=device), w, EPS, zero_centred=True).shape == (0, 8)
     empty = torch.ones(0, 2, 8, device=device)
     assert triton_rmsnorm.gated_rms_norm(empty, empty, w, EPS).shape == (0, 2, 8)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, D", [(37, 64), (4, 2048)], ids=["N37-D64", "N4-D2048"])
+def test_triton_fused_residual_is_the_unfused_add_then_norm_bitwise(N, D, dtype, device):
+    """The fused form returns the bits of `x + residual` (the add in torch) and of the plain kernel's norm of it
+    (on the GPU, the compiled kernels' own bits): the batched step fuses its residual adds on this."""
+    from tensorfold.kernels.rmsnorm import triton_rmsnorm
+    x, r = randn(N, D, dtype=dtype, seed=0, scale=3.0).to(device), randn(N, D, dtype=dtype, seed=1).to(device)
+    w = randn(D, dtype=dtype, seed=2, scale=0.1).to(device)
+    out, total = triton_rmsnorm.rms_norm(x, w, EPS, zero_centred=True, residual=r)
+    assert torch.equal(total, r + x)
+    assert torch.equal(out, triton_rmsnorm.rms_norm(r + x, w, EPS, zero_centred=True))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_gated_reads_a_head_view_of_z_in_place_bitwise(dtype, device):
+    """z as the GDN step cuts it, heads of a wider projection [N, C + H·D + 2H]: read in place (token and head
+    strides) where its loads vectorise as a copy's would, with the bits of the kernel over the copy; elsewhere
+    (misaligned strides, one token, contiguous z) copied or viewed as rows, as before."""
+    from tensorfold.kernels.rmsnorm import triton_rmsnorm
+    N, H, D, C = 9, 8, 16, 192                                      # C + H·D + 2H = 336, a multiple of 16
+    proj = randn(N, C + H * D + 2 * H, dtype=dtype, seed=0, scale=2.0).to(device)
+    x, w = randn(N, H, D, dtype=dtype, seed=1).to(device), randn(D, dtype=dtype, seed=2).to(device)
+    z = proj[:, C: C + H * D].view(N, H, D)
+    assert triton_rmsnorm._by_head(z)
+    assert torch.equal(triton_rmsnorm.gated_rms_norm(x, z, w, EPS), triton_rmsnorm.gated_rms_norm(x, z.contiguous(),
+                                                                                                   w, EPS))
+    torch.testing.assert_close(triton_rmsnorm.gated_rms_norm(x, z, w, EPS).cpu(),
+                               naive.gated_rms_norm(x.cpu(), z.cpu(), w.cpu(), EPS), **TOLERANCE[dtype])
+    narrow = randn(N, 200, dtype=dtype, seed=3).to(device)[:, 8: 8 + H * D].view(N, H, D)   # stride 200
+    for other in (narrow, z[:1], z.contiguous()):
+        assert not triton_rmsnorm._by_head(other)
+        rows = other.shape[0]
+        assert torch.equal(triton_rmsnorm.gated_rms_norm(x[:rows], other, w, EPS),
+                           triton_rmsnorm.gated_rms_norm(x[:rows], other.contiguous(), w, EPS))

@@ -32,19 +32,28 @@ def _check_weights(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+                          bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """One stream's T rows: x [T, C], weight [C, K], tail [C, K-1] (x's dtype, updated in place),
-    bias [C] | None -> y [T, C] in x's dtype. On the GPU, K > 4 takes the torch path (F.conv1d)."""
+    bias [C] | None -> y [T, C] in x's dtype. On the GPU, K > 4 takes the torch path (F.conv1d).
+
+    out [T, C] (x's dtype and device, unit stride on C), when given, receives y and is returned: a packed step
+    writes each stream's rows into its slice of one buffer instead of concatenating copies."""
     K = _check_weights("causal_conv1d_prefill", x, weight, bias)
     C = x.shape[1]
     if tail.shape != (C, K - 1) or tail.dtype != x.dtype or tail.device != x.device:
         raise ValueError(f"causal_conv1d_prefill: tail must be [C, K-1] = [{C}, {K - 1}] in {x.dtype} on "
                          f"{x.device}, got shape {tuple(tail.shape)}, {tail.dtype}, {tail.device}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+                            or (C > 1 and out.stride(1) != 1)):
+        raise ValueError(f"causal_conv1d_prefill: out must be [{x.shape[0]}, {C}] in {x.dtype} on {x.device} "
+                         f"with a unit stride on C, got shape {tuple(out.shape)}, {out.dtype}, {out.device}, "
+                         f"strides {out.stride()}")
     if use_triton(x) and K <= 4:                   # the Triton prefill keeps <= 3 rows of history (K <= 4)
         from tensorfold.kernels.causal_conv1d import triton_conv
-        return triton_conv.causal_conv1d_prefill(x, weight, tail, bias)
+        return triton_conv.causal_conv1d_prefill(x, weight, tail, bias, out=out)
     from tensorfold.kernels.causal_conv1d import naive
-    return naive.causal_conv1d_prefill(x, weight, tail, bias)
+    y = naive.causal_conv1d_prefill(x, weight, tail, bias)
+    return y if out is None else out.copy_(y)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, slots: torch.Tensor,

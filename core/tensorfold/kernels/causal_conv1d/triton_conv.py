@@ -124,14 +124,15 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher: x [T, C], weight [C, K <= MAX_PREFILL_K], tail [C, K-1] (in place), bias [C] | None -> [T, C]."""
+                          bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher: x [T, C], weight [C, K <= MAX_PREFILL_K], tail [C, K-1] (in place), bias [C] | None -> [T, C],
+    written into `out` when given (unit stride on C: rows of a wider buffer)."""
     x, weight = _row_major(x), _row_major(weight)
     T, C = x.shape
     K = weight.shape[1]
     if K > MAX_PREFILL_K:
         raise ValueError(f"causal_conv1d_prefill (triton): kernel width K <= {MAX_PREFILL_K}, got {K}")
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     if T == 0 or C == 0:
         return y
     block_t, block_c = 8, 512                      # ~2.4 TB/s at T=4096, C=10240 on an H200; needs block_t >= K-1

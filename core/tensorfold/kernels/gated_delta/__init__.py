@@ -34,8 +34,8 @@ from tensorfold.kernels.backend import pick_chunk, pick_step
 from tensorfold.kernels.gated_delta import fla_backend, naive
 from tensorfold.kernels.stream_args import check_pool, check_slots, check_state, check_streams
 
-__all__ = ["BACKENDS", "chunk_backend", "chunk_gated_delta", "gdn_gate", "recurrent_gated_delta_step",
-           "recurrent_gated_delta_step_gated", "step_backend"]
+__all__ = ["BACKENDS", "chunk_backend", "chunk_gated_delta", "gate_terms", "gdn_gate", "gdn_gate_from_terms",
+           "recurrent_gated_delta_step", "recurrent_gated_delta_step_gated", "step_backend"]
 
 BACKENDS = ("naive", "triton", "fla")
 MAX_HEAD_DIM = 256              # fla's chunked kernels stop there; ours keep a [DK, 32] state block per program
@@ -121,7 +121,22 @@ def gdn_gate(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: tor
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's gate from its raw projections: g = -exp(A_log)·softplus(a + dt_bias) (float32) and
     beta = sigmoid(b) (in b's dtype, then float32), as the models compute them."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return gdn_gate_from_terms(a, b, *gate_terms(A_log, dt_bias))
+
+
+def gate_terms(A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's per-layer factors, -exp(A_log) and dt_bias in float32 ([NV] each): a model computes them once
+    at load, on the device its steps run on, so a step's gate costs none of their launches."""
+    return -A_log.float().exp(), dt_bias.float()
+
+
+def gdn_gate_from_terms(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, bias: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_gate` with its per-layer factors from `gate_terms`, the same bits: a + bias promotes a to float32
+    exactly inside the add (no separate cast), then the same float32 sum, softplus and product."""
+    if decay.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise ValueError(f"decay and bias must be float32 (gate_terms), got {decay.dtype}, {bias.dtype}")
+    g = decay * F.softplus(a + bias)
     return g, torch.sigmoid(b).float()
 
 

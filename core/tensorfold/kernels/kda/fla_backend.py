@@ -119,16 +119,17 @@ def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     # A padded row reads and writes back a stand-in slot: that of the first live row, written with the value that
     # row leaves there (so the duplicate write stores the same bits), or slot 0 rewritten unchanged when no row is
     # live. Chosen on the device: no sync.
-    first = torch.argmax(live.to(torch.int8))                                      # first live row (0 when none)
+    first = torch.argmax(live.to(torch.int8)).reshape(1)                          # first live row (0 when none)
     any_live = live.any()
-    stand_in = torch.where(any_live, slots[first], torch.zeros_like(slots[first]))
+    lead = slots.index_select(0, first)[0]                # by index_select: a 0-d tensor index would read it back
+    stand_in = torch.where(any_live, lead, torch.zeros_like(lead))
     index = torch.where(live, slots, stand_in)
     initial = states.index_select(0, index)                                        # [B, H, DK, DV]
     out, final = ops.fused_recurrent_kda(
         q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=float(scale),
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm)
     final = final.to(states.dtype)
-    after = torch.where(any_live, final[first], initial[first])                   # stand-in slot after the step
+    after = torch.where(any_live, final.index_select(0, first)[0], initial.index_select(0, first)[0])   # stand-in
     final = torch.where(live[:, None, None, None], final, after)
     states.index_copy_(0, index, final)
     return torch.where(live[:, None, None], out[:, 0], torch.zeros((), dtype=out.dtype, device=out.device))

@@ -8,6 +8,9 @@ weighted and summed. Two expert activations:
                            stacked on dim 0), down [N, E, F] (`experts.down_proj`, per-expert `down_proj.weight`
                            [E, F] stacked). With `moe_latent_size` set, E is the latent size.
 
+`limit` (silu_gate only) clamps the SwiGLU as GLM-5 does: silu(min(g, limit)) · clamp(u, -limit, limit), g and u
+rounded to x's dtype before the clamp (HF's `swiglu_limit`); None: no clamp.
+
 Shapes: T rows, E hidden size, F expert intermediate size, N experts, k experts per row. Intermediates are
 rounded to x's dtype where tensorfold_qwen's torch `moe` (and HF's nemotron_h experts) round them.
 
@@ -67,11 +70,13 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode") -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
+                   limit: float | None = None) -> torch.Tensor:
     """x [T, E], chosen [T, k] long, weights [T, k] (x's dtype), gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
     out[t] = Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
     activation="relu2": gate_up [N, F, E] holds the up weights only and the expert is down[e] @ relu(u)², u =
-    gate_up[e] @ x[t] (Nemotron-H's experts; layouts in the module docstring).
+    gate_up[e] @ x[t] (Nemotron-H's experts; layouts in the module docstring). limit: the clamped SwiGLU (module
+    docstring).
 
     kind: "decode" (a step's one row per stream) or "prefill" (a prefill chunk's rows) picks the Triton tiles; a
     row's bits are the same in any batch of one kind (triton_moe). The naive path has one form for both.
@@ -81,11 +86,13 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     check(x, chosen, weights, gate_up, down, activation)
     if kind not in KINDS:
         raise ValueError(f"routed_experts: kind must be one of {KINDS}, got {kind!r}")
+    if limit is not None and activation != "silu_gate":
+        raise ValueError(f"routed_experts: limit clamps the silu_gate activation only, got {activation!r}")
     if use_triton(x):
         from tensorfold.kernels.moe import triton_moe
-        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation, kind)
+        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation, kind, limit=limit)
     N = gate_up.shape[0]
     if not x.is_cuda and chosen.numel() and not bool(((chosen >= 0) & (chosen < N)).all()):
         raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")
     from tensorfold.kernels.moe import naive
-    return naive.routed_experts(x, chosen, weights, gate_up, down, activation)
+    return naive.routed_experts(x, chosen, weights, gate_up, down, activation, limit)

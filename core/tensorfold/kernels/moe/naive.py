@@ -13,11 +13,12 @@ import torch.nn.functional as F
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str = "silu_gate") -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu_gate", limit: float | None = None) -> torch.Tensor:
     """x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
     Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
     With activation "relu2", gate_up is the up weights [N, F, E] alone: Σ_j weights[t, j] · down[e] @ relu(u)²,
-    u = gate_up[e] @ x[t] (HF nemotron_h's experts: relu, then torch.square, in x's dtype)."""
+    u = gate_up[e] @ x[t] (HF nemotron_h's experts: relu, then torch.square, in x's dtype). With `limit`, g and u
+    are clamped first: silu(min(g, limit)) · clamp(u, -limit, limit) (GLM-5's swiglu_limit)."""
     out = torch.zeros_like(x)                                           # [T, E]
     for expert in chosen.unique().tolist():
         rows, rank = (chosen == expert).nonzero(as_tuple=True)          # which rows chose it, at which rank
@@ -26,6 +27,9 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
             hidden = torch.square(F.relu(F.linear(picked, gate_up[expert])))        # [t, F]
         else:
             gate, up = gate_up[expert].chunk(2)                         # [F, E] each
-            hidden = F.silu(F.linear(picked, gate)) * F.linear(picked, up)  # [t, F]
+            g, u = F.linear(picked, gate), F.linear(picked, up)         # [t, F] each
+            if limit is not None:
+                g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            hidden = F.silu(g) * u
         out.index_add_(0, rows, F.linear(hidden, down[expert]) * weights[rows, rank, None])
     return out

@@ -5,6 +5,7 @@
         at padded row r (P = T·k where none), `block_expert[b]` the expert of block b (N where none). At most
         PAIR_BLOCKS_UP_TO pairs (decode) skip the grouping: block p holds pair p alone in its first row.
     gate_up kernel, program (block b, F block)   h = round(round(silu(g)) · u), [g | u] = x[token] @ gate_up[e]ᵀ
+                                                 (with a limit, g and u clamped first, each rounded again)
                                                  (relu2: h = round(relu(u)²), u = x[token] @ gate_up[e]ᵀ, no gate)
     down kernel, program (block b, E block)      c[pair] = round(round(h @ down[e]ᵀ) · weight[pair])
     sum kernel, program (row t, E block)         out[t] = Σ_j c[t·k + j], j in order, rounded after each add
@@ -81,11 +82,12 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
 
 @triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K_TOP,
-                    s_xt, s_we, s_wf, s_wk, s_hm, E: tl.constexpr, F: tl.constexpr,
+                    s_xt, s_we, s_wf, s_wk, s_hm, limit, E: tl.constexpr, F: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    RELU2: tl.constexpr):
+                    RELU2: tl.constexpr, CLAMP: tl.constexpr):
     """h[rows, f] = round(round(silu(g)) · u) for one expert block and F block; g, u rounded to h's dtype.
-    RELU2: the weights are the up rows alone and h = round(relu(u)²)."""
+    RELU2: the weights are the up rows alone and h = round(relu(u)²). CLAMP: g <= limit, -limit <= u <= limit
+    (each rounded to h's dtype again, as torch's clamp of a tensor in that dtype gives)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= N:
@@ -119,6 +121,9 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K
         h = round_to(r * r, ty)
     else:
         g = round_to(acc_g, ty)
+        if CLAMP:
+            g = round_to(tl.minimum(g, limit), ty)
+            u = round_to(tl.minimum(tl.maximum(u, -limit), limit), ty)
         silu = round_to(g / (1.0 + tl.exp(-g)), ty)
         h = round_to(silu * u, ty)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + f[None, :], h, mask=ok[:, None] & f_ok[None, :])
@@ -225,9 +230,9 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
-                   config: Config | None = None) -> torch.Tensor:
+                   config: Config | None = None, limit: float | None = None) -> torch.Tensor:
     """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
-    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's."""
+    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's; `limit` clamps the SwiGLU."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
@@ -247,9 +252,10 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(F, cfg.block_f))](
         x, gate_up, hidden, plan.row_pair, plan.block_expert, P, N, k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0), E=E, F=F,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
+        0.0 if limit is None else float(limit), E=E, F=F,
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision, RELU2=relu2,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CLAMP=limit is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _down_kernel[(blocks, triton.cdiv(E, cfg.block_e))](
         hidden, down, plan.weight, contrib, plan.row_pair, plan.block_expert, P, N,
         hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), contrib.stride(0), E=E, F=F,

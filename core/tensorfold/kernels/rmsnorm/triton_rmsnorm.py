@@ -38,8 +38,11 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stri
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_z, stride_o, eps,
-                           ROUND_WN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = round(round_wn(w · round(x·rstd)) · silu(z)), rows of D (every head of every token)."""
+                           z_heads, stride_zh,
+                           ROUND_WN: tl.constexpr, Z_BY_HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """out = round(round_wn(w · round(x·rstd)) · silu(z)), rows of D (every head of every token). With
+    Z_BY_HEAD, z's row r is head r % z_heads of token r // z_heads (strides stride_z, stride_zh)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
@@ -51,7 +54,11 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_
     wn = w[None, :] * normed
     if ROUND_WN:                                                                   # w · x̂ is in x's dtype
         wn = round_to(wn, ty)
-    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if Z_BY_HEAD:
+        z_rows = (rows // z_heads) * stride_z + (rows % z_heads) * stride_zh
+    else:
+        z_rows = rows * stride_z
+    z = tl.load(z_ptr + z_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = wn * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], round_to(out, ty), mask=mask)
 
@@ -105,18 +112,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred:
     return out if total is None else (out, total)
 
 
+def _by_head(z: torch.Tensor) -> bool:
+    """Whether z [N, H, D] is read in place, token and head strides apart: where viewing it as rows would copy it
+    (heads cut from a wider projection), and only where its loads vectorise as that contiguous copy's would
+    (16-byte aligned base; D and both strides multiples of 16 elements), so the kernel's layouts, and so its
+    bits, are the copy's."""
+    N, H, D = z.shape
+    if N < 2 or H < 2 or z.stride(2) != 1 or z.stride(0) == H * z.stride(1):
+        return False
+    return z.data_ptr() % 16 == 0 and D % 16 == 0 and z.stride(0) % 16 == 0 and z.stride(1) % 16 == 0
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Launcher: x, z [N, H, D], weight [D] -> [N, H, D] in x's dtype."""
     shape = x.shape
-    x, z, weight = _rows(x), _rows(z), weight.contiguous()
+    by_head = _by_head(z)
+    z_heads, stride_zh = (z.shape[1], z.stride(1)) if by_head else (1, 0)
+    x, weight = _rows(x), weight.contiguous()
+    z = z if by_head else _rows(z)
     rows, D = x.shape
     out = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     if rows > 0 and D > 0:
         round_wn = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
         block_n, block_d, num_warps, grid = _blocks(rows, D)
         _gated_rms_norm_kernel[grid](x, z, weight, out, rows, D, x.stride(0), z.stride(0), out.stride(0),
-                                     float(eps), ROUND_WN=round_wn, BLOCK_N=block_n, BLOCK_D=block_d,
-                                     num_warps=num_warps)
+                                     float(eps), z_heads, stride_zh, ROUND_WN=round_wn, Z_BY_HEAD=by_head,
+                                     BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
     return out.view(shape)
 
 
