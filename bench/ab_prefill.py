@@ -29,7 +29,9 @@ import torch
 from gpu import TensorsCheckpoint  # bench/gpu.py, on sys.path; its tensorfold imports go with import_tree's purge
 
 PACKAGES = ("tensorfold", "tensorfold_qwen")
-QWEN_9B = "Qwen3_5TextConfig"
+QWEN = {False: ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"), True: ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
+TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64}
 TINY = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "intermediate_size": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
         "linear_value_head_dim": 32, "vocab_size": 1024}
@@ -79,16 +81,18 @@ def activate(tree: SimpleNamespace) -> None:
     sys.modules.update(tree.modules)
 
 
-def random_weights(overrides: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """HF's 9B-shaped Qwen3.5 with its own random init, as a config dict and a state dict (the model freed)."""
+def random_weights(overrides: dict, moe: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """HF's 9B-shaped Qwen3.5 (or 35B-A3B-shaped, `moe`) with its own random init, as a config dict and a state dict
+    (the model freed)."""
     import transformers
 
-    config = getattr(transformers, QWEN_9B)(**overrides)
+    config_class, model_class = QWEN[moe]
+    config = getattr(transformers, config_class)(**overrides)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(DEVICE):
-            hf = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+            hf = getattr(transformers, model_class)(config).to(torch.bfloat16).eval()
     finally:
         torch.set_default_dtype(default)
     tensors = dict(hf.state_dict())
@@ -119,12 +123,17 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="a tiny config on the CPU: checks the script itself")
+    parser.add_argument("--moe", action="store_true", help="the 35B-A3B shape (Qwen3.5 MoE) instead of the 9B")
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape's (two 35B-A3B trees fit at 16)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = "cpu" if args.tiny else "cuda"
     trees = dict(item.split("=", 1) for item in args.tree)
     torch.manual_seed(0)
-    config, tensors = random_weights(TINY if args.tiny else {})
+    overrides = ({**TINY, **(TINY_MOE if args.moe else {})} if args.tiny else {})
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    config, tensors = random_weights(overrides, args.moe)
     models = {}
     inputs = {rows: torch.randint(0, config["vocab_size"], (rows,)).tolist() for rows in args.rows}
     with torch.inference_mode():

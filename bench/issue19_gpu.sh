@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 19's measurements in one device call, each phase under `timeout` inside one total budget (TOTAL_SECONDS):
 #   ab       bench/ab_prefill.py: the 9B prefill of the trees in AB ("name=tarball ... name=." for this tree;
-#            default: BASE, a tarball of an earlier commit, then this tree), alternated in one process
+#            default: BASE, a tarball of an earlier commit, then this tree), alternated in one process (AB_ROWS;
+#            AB_ARGS="--moe --layers 16": the 35B-A3B shape cut to 16 layers, so two trees fit)
 #   gpu      bench/gpu.py: prefill (PREFILL rows) and batch-1 decode, ours vs HF, at SHAPE
 #   glm      bench/glm_gpu.py: GLM's decode at GLM_BATCHES streams (through the decode runner when GLM has one)
 #            and prefill, ours vs HF (only when PHASES names it)
@@ -39,7 +40,7 @@ if [[ $PHASES == *" ab "* ]]; then
     mkdir -p "/tmp/ab-$name" && tar xzf "$source_" -C "/tmp/ab-$name" && trees+=(--tree "$name=/tmp/ab-$name")
   done
   TRITON_CACHE_AUTOTUNING=1 run ab "${AB_SECONDS:-170}" python3 bench/ab_prefill.py "${trees[@]}" \
-    --rows 8192 32768 --rounds "${AB_ROUNDS:-4}" --out "$OUT"
+    --rows ${AB_ROWS:-8192 32768} --rounds "${AB_ROUNDS:-4}" ${AB_ARGS:-} --out "$OUT"   # AB_ARGS: "--moe --layers 16"
 fi
 if [[ $PHASES == *" gpu "* ]]; then
   run gpu "${GPU_SECONDS:-150}" python3 bench/gpu.py --shape "${SHAPE:-qwen3_5-9b}" --batches 1 \
