@@ -117,30 +117,37 @@ def routed_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen
 def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool, n_group: int,
         topk_group: int, limit: float | None) -> torch.Tensor:
     """The sparse layer: routed experts plus the shared expert, [T, E] -> [T, E] in x's dtype. On CUDA the routed
-    experts run grouped by expert (experts.py), on the CPU one row at a time (the reference)."""
+    experts run as `pair_experts` with the kernels' prefill tiles (one grouped GEMM launch set, no host sync), on
+    the CPU one row at a time (the reference)."""
     weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)
     if x.device.type == "cuda":
-        from tensorfold_glm.experts import grouped_experts
-
-        routed = grouped_experts(w, x, weights, chosen, limit)
+        routed = pair_experts(w, x, weights, chosen, limit, kind="prefill")
     else:
         routed = routed_experts(w, x, weights, chosen, limit)
     return routed + swiglu(w.shared_experts, x, limit)
 
 
-def moe_routed(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
-               n_group: int, topk_group: int, limit: float | None) -> torch.Tensor:
-    """`moe` with no host sync, for the decode step: the routing as above (tensor ops), each (row, expert) pair
-    through the kernels' `routed_experts` as its own row of weight 1 (the clamped SwiGLU; a sync-free grouped GEMM
-    on the GPU, capturable in a CUDA graph), so each pair's output is the expert's in x's dtype and the float32
-    weighted sum in ascending expert order stays this module's (the kernel weights and sums in x's dtype)."""
-    weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)   # [T, k] each
+def pair_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                 limit: float | None, kind: str) -> torch.Tensor:
+    """`routed_experts` with no host sync: each (row, expert) pair through the kernels' `routed_experts` as its own
+    row of weight 1 (the clamped SwiGLU; a grouped GEMM on the GPU, capturable in a CUDA graph), so each pair's
+    output is the expert's in x's dtype, and the float32 weighted sum in ascending expert order stays this
+    module's (the kernel would weight and sum in x's dtype). `kind` picks the kernel's tiles ("decode" or
+    "prefill"); a row's bits are the same in any call of one kind."""
     T, k = chosen.shape
     pairs = x[:, None].expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])         # [T·k, E]
     ones = torch.ones(T * k, 1, dtype=x.dtype, device=x.device)
-    hidden = kernel_experts(pairs, chosen.reshape(T * k, 1), ones, w.gate_up, w.down, kind="decode",
+    hidden = kernel_experts(pairs, chosen.reshape(T * k, 1), ones, w.gate_up, w.down, kind=kind,
                             limit=limit).view(T, k, x.shape[1])                     # [T, k, E] x's dtype
     total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)              # [T, E]
     for j in range(k):
         total = total + hidden[:, j].float() * weights[:, j, None]
-    return total.to(x.dtype) + swiglu(w.shared_experts, x, limit)
+    return total.to(x.dtype)
+
+
+def moe_routed(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
+               n_group: int, topk_group: int, limit: float | None) -> torch.Tensor:
+    """`moe` for the decode step on every device: the routing as above (tensor ops) and `pair_experts` with the
+    decode tiles."""
+    weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)   # [T, k] each
+    return pair_experts(w, x, weights, chosen, limit, kind="decode") + swiglu(w.shared_experts, x, limit)

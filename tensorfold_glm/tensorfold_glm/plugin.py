@@ -223,6 +223,9 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
                 f"{bound}"),
         "kda_state": f"recurrent float32, conv tail {act} (last {c.linear_conv_kernel_dim - 1} inputs of [q|k|v])",
         "kda_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {act}; 1-token steps recurrent",
+        "experts": ("each (row, expert) pair through the kernels' routed_experts (prefill tiles for a chunk, decode "
+                    f"tiles for one-token rows), output in {act}, weighted and summed in float32 in ascending expert "
+                    "order"),
     }
 
 

@@ -1,12 +1,14 @@
-"""The grouped routed experts (the GPU's path) against the one-row-at-a-time reference: the same sums within GEMM
-rounding in float32, equal where every expert sees one row, and the clamp applied alike."""
+"""The routed experts' pair form (`pair_experts`, the decode step's and the GPU prefill's path) against the
+one-row-at-a-time reference: the same sums within the kernels' rounding in float32, the clamp applied alike, and a
+row's bits the same alone and in a batch of its kind. On the CPU the kernels' `routed_experts` runs its naive form
+(tests/core/kernels/test_moe.py holds the Triton form to it, clamp included, in the interpreter and on the H200)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tensorfold_glm.experts import grouped_experts
-from tensorfold_glm.mlp import MlpWeights, MoeWeights, route, routed_experts
+from tensorfold_glm.mlp import MlpWeights, MoeWeights, pair_experts, route, routed_experts
 
 N, E, F, T, K = 8, 32, 16, 40, 3
 
@@ -20,20 +22,31 @@ def weights(seed: int) -> MoeWeights:
                       down=torch.randn(N, E, F, generator=g) * F ** -0.5, shared_experts=shared)
 
 
-def test_grouped_experts_equal_the_row_by_row_sums():
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_pair_experts_equal_the_row_by_row_sums(kind):
     w = weights(0)
     x = torch.randn(T, E, generator=torch.Generator().manual_seed(1))
     mix, chosen = route(w, x, K, 2.5, True)
     for limit in (None, 0.5):
-        grouped = grouped_experts(w, x, mix, chosen, limit)
+        paired = pair_experts(w, x, mix, chosen, limit, kind)
         reference = routed_experts(w, x, mix, chosen, limit)
-        assert (grouped - reference).abs().max().item() < 1e-5
-    one = x[:1]
-    mix, chosen = route(w, one, K, 2.5, True)          # one row: every expert sees that row alone
-    assert torch.equal(grouped_experts(w, one, mix, chosen, 0.5), routed_experts(w, one, mix, chosen, 0.5))
+        assert paired.dtype == x.dtype and (paired - reference).abs().max().item() < 1e-5
     bf = x.bfloat16()
     w16 = MoeWeights(router=w.router, e_score_correction_bias=w.e_score_correction_bias,
                      gate_up=w.gate_up.bfloat16(), down=w.down.bfloat16(), shared_experts=w.shared_experts)
     mix, chosen = route(w16, bf, K, 2.5, True)
-    close = (grouped_experts(w16, bf, mix, chosen, 0.5).float() - routed_experts(w16, bf, mix, chosen, 0.5).float())
-    assert close.abs().max().item() < 0.05 and grouped_experts(w16, bf, mix, chosen, 0.5).dtype == torch.bfloat16
+    close = pair_experts(w16, bf, mix, chosen, 0.5, kind).float() - routed_experts(w16, bf, mix, chosen, 0.5).float()
+    assert close.abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_rows_bits_do_not_depend_on_its_batch(kind):
+    w = weights(2)
+    x = torch.randn(T, E, generator=torch.Generator().manual_seed(3)).bfloat16()
+    w16 = MoeWeights(router=w.router, e_score_correction_bias=w.e_score_correction_bias,
+                     gate_up=w.gate_up.bfloat16(), down=w.down.bfloat16(), shared_experts=w.shared_experts)
+    mix, chosen = route(w16, x, K, 2.5, True)
+    together = pair_experts(w16, x, mix, chosen, 0.5, kind)
+    for t in (0, 17, T - 1):
+        alone = pair_experts(w16, x[t:t + 1], mix[t:t + 1], chosen[t:t + 1], 0.5, kind)
+        assert torch.equal(alone[0], together[t])
