@@ -1,9 +1,10 @@
 """Triton routed experts: a grouped GEMM over the (row, j) pairs sorted by expert, with no host sync.
 
-    align (torch, on the device)  each row's k pairs ordered by expert id (the reference's sum order); all T·k
-        pairs sorted by expert (stable); each expert's group padded to BLOCK_M rows; `row_pair[r]` names the pair
-        at padded row r (P = T·k where none), `block_expert[b]` the expert of block b (N where none). At most
-        PAIR_BLOCKS_UP_TO pairs (decode) skip the grouping: block p holds pair p alone in its first row.
+    align (on the device)  each row's k pairs ordered by expert id (the reference's sum order); all T·k pairs
+        sorted by expert (stable); each expert's group padded to BLOCK_M rows; `row_pair[r]` names the pair at
+        padded row r (P = T·k where none), `block_expert[b]` the expert of block b (N where none). At most
+        PAIR_BLOCKS_UP_TO pairs (decode) skip the grouping: block p holds pair p alone in its first row. On CUDA
+        the grouping is triton_align's two launches; elsewhere (and as their reference) a dozen torch ops.
     gate_up kernel, program (block b, F block)   h = round(round(silu(g)) · u), [g | u] = x[token] @ gate_up[e]ᵀ
                                                  (with a limit, g and u clamped first, each rounded again)
                                                  (relu2: h = round(relu(u)²), u = x[token] @ gate_up[e]ᵀ, no gate)
@@ -35,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels.moe.alignment import Alignment, blocks_bound
+from tensorfold.kernels.moe.triton_align import align_grouped
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_M = 16          # decode: rows per expert block; every group is padded to a multiple of it
@@ -175,16 +178,6 @@ def _sum_kernel(c_ptr, expert_ptr, out_ptr, N, s_cp, s_ot, E: tl.constexpr, K_TO
     tl.store(out_ptr + t * s_ot + cols, acc, mask=col_ok)
 
 
-@attrs.frozen
-class Alignment:
-    """The pairs grouped by expert on the device; every shape here is a static bound, none read from data."""
-
-    expert: torch.Tensor          # [P] int32, pair t·k + j's expert (N where out of range), j in expert order
-    weight: torch.Tensor          # [P] x's dtype, the pair's routing weight
-    row_pair: torch.Tensor        # [blocks · BLOCK_M] int32, the pair at each padded row (P where none)
-    block_expert: torch.Tensor    # [blocks] int32, the expert of each block (N where unused)
-
-
 @functools.cache
 def _lone_rows(P: int, block_m: int, device: torch.device) -> torch.Tensor:
     """row_pair when pair p has block p to itself: its first row, the rest empty (P)."""
@@ -193,17 +186,14 @@ def _lone_rows(P: int, block_m: int, device: torch.device) -> torch.Tensor:
     return rows.reshape(P * block_m)
 
 
-def blocks_bound(P: int, N: int, block_m: int) -> int:
-    """Blocks enough for any routing: P pairs plus at most BLOCK_M − 1 padding rows per used expert."""
-    return triton.cdiv(P + min(N, P) * (block_m - 1), block_m)
-
-
 def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BLOCK_M,
           grouped_only: bool = False) -> Alignment:
     """Sort the (row, j) pairs by expert and pad each group to block_m rows, with device ops only; a few pairs
     (decode, unless grouped_only) get a block each instead, which skips the grouping's dozen small launches."""
     T, k = chosen.shape
     P, device = T * k, chosen.device
+    if chosen.is_cuda and (grouped_only or P > PAIR_BLOCKS_UP_TO):
+        return align_grouped(chosen, weights, N, block_m)                 # the same bits in two launches
     ordered, perm = chosen.sort(dim=1, stable=True)                       # a row's pairs in ascending expert
     weight = weights.gather(1, perm).reshape(P)
     expert = ordered.reshape(P)

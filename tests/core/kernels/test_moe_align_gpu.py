@@ -1,0 +1,63 @@
+"""triton_align.align_grouped on the GPU at Qwen3.5-35B-A3B's prefill routing (k 8 of N 256, 128-row blocks):
+bitwise equal to triton_moe.align's torch form (run on the CPU, so the reference stays torch whatever align
+dispatches to on CUDA), deterministic, and free of host syncs in eager mode. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorfold.kernels.moe import triton_align, triton_moe
+
+CUDA = torch.cuda.is_available()
+N, K, BLOCK_M = 256, 8, triton_moe.PREFILL_BLOCK_M
+FIELDS = ("expert", "weight", "row_pair", "block_expert")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+
+
+def routes(T: int, seed: int, skew: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """chosen [T, k] long and bf16 weights [T, k] on the GPU, routed as the model routes (softmax, top-k,
+    renormalised); `skew` sends most rows to the same few experts."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(T, N, device="cuda", generator=g)
+    if skew:
+        logits[:, :12] += 6.0
+    weights, chosen = torch.softmax(logits, dim=-1).topk(K, dim=-1)
+    return chosen, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def assert_same(chosen: torch.Tensor, weights: torch.Tensor) -> triton_moe.Alignment:
+    want = triton_moe.align(chosen.cpu(), weights.cpu(), N, BLOCK_M, grouped_only=True)
+    got = triton_align.align_grouped(chosen, weights, N, BLOCK_M)
+    for name in FIELDS:
+        a, b = getattr(want, name), getattr(got, name).cpu()
+        assert (b.dtype, b.shape) == (a.dtype, a.shape), name
+        if a.dtype.is_floating_point:
+            a, b = a.view(torch.int16), b.view(torch.int16)
+        assert torch.equal(b, a), name
+    return got
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_gpu_matches_the_torch_alignment(T, skew):
+    chosen, weights = routes(T, seed=T, skew=skew)
+    chosen[::97, 3] = -1                                            # dropped pairs, as align drops them
+    chosen[5::89, 6] = N + 3
+    first = assert_same(chosen, weights)
+    again = triton_align.align_grouped(chosen, weights, N, BLOCK_M)
+    for name in FIELDS:
+        assert torch.equal(getattr(again, name), getattr(first, name)), name
+
+
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_gpu_eager_call_never_syncs(T):
+    chosen, weights = routes(T, seed=T + 1)
+    triton_align.align_grouped(chosen, weights, N, BLOCK_M)          # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_align.align_grouped(chosen, weights, N, BLOCK_M)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
