@@ -7,7 +7,8 @@ captures it (core's engine/graphs.py) and replays it for every batch padded to B
                             q/k norms fused, on the streams' slots (padded rows touch none)
                 attention:  this row's key/value written through the page tables (padded rows write none),
                             paged decode over keys [0, position]
-                ffn:        SwiGLU, or the routed MoE with no host sync
+                ffn:        SwiGLU, or the routed MoE with no host sync (mlp.moe_fused: one GEMM, the routing
+                            kernel, the grouped experts with the shared expert among them)
     logits = lm_head(norm(x))                                                      [B, V] float32
 
 The same kernels as batched.py's one-row path, so a stream's rows compute what they compute there.

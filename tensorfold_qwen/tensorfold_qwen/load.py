@@ -19,9 +19,11 @@ import re
 import torch
 
 from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
+from tensorfold.kernels.backend import use_triton
 from tensorfold.shard import SINGLE, Shard
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.config import FULL, QwenConfig
+from tensorfold_qwen.fused import can_fold, fuse_moe
 from tensorfold_qwen.gdn import GdnWeights
 from tensorfold_qwen.mlp import MlpWeights, MoeWeights
 from tensorfold_qwen.model import LayerWeights, QwenModel, Weights
@@ -158,7 +160,8 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
 
 def build_weights(config: QwenConfig, found: dict[str, torch.Tensor]) -> Weights:
     """Arrange tensors named as in `expected_shapes` (either expert form) into the model's records (each taken
-    out of `found` as it is used, so stacking per-expert tensors holds at most one layer's experts twice)."""
+    out of `found` as it is used, so stacking per-expert tensors, or copying a layer's experts into the fused
+    layout on a Triton device (fused.fuse_moe), holds at most one layer's experts twice)."""
     layers = []
     for i, kind in enumerate(config.layer_types):
         def get(name: str, i: int = i) -> torch.Tensor:
@@ -201,9 +204,12 @@ def ffn_weights(config: QwenConfig, get, has) -> MlpWeights | MoeWeights:
         gate_up, down = get("mlp.experts.gate_up_proj"), get("mlp.experts.down_proj")
     else:
         gate_up, down = stacked_experts(config, get)
-    return MoeWeights(router=get("mlp.gate.weight"), gate_up=gate_up, down=down,
-                      shared=mlp_weights(get, "mlp.shared_expert."),
-                      shared_gate=get("mlp.shared_expert_gate.weight"), top_k=config.top_k)
+    moe = MoeWeights(router=get("mlp.gate.weight"), gate_up=gate_up, down=down,
+                     shared=mlp_weights(get, "mlp.shared_expert."),
+                     shared_gate=get("mlp.shared_expert_gate.weight"), top_k=config.top_k)
+    if not use_triton(moe.router):                  # the fused layout serves the Triton path alone
+        return moe
+    return fuse_moe(moe, fold=can_fold(moe.shared, moe.down))
 
 
 def stacked_experts(config: QwenConfig, get) -> tuple[torch.Tensor, torch.Tensor]:

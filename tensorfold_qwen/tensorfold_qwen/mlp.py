@@ -1,7 +1,8 @@
 """The feed-forward half of a layer: a dense SwiGLU MLP (qwen3_5) or a routed MoE with a gated shared expert
 (qwen3_5_moe).
 
-Shapes in comments: T rows, E hidden size, F intermediate size, N experts, k experts per token.
+Shapes in comments: T rows, E hidden size, F intermediate size, Fs the shared expert's, N experts, k experts per
+token.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from tensorfold.kernels.moe import routed_experts
+from tensorfold.kernels.backend import use_triton
+from tensorfold.kernels.moe import routed_experts, softmax_top_k
+from tensorfold.kernels.silu_gate import sigmoid_mul, silu_mul
 
 
 @attrs.frozen
@@ -33,6 +36,13 @@ class MoeWeights:
     shared: MlpWeights                  #              mlp.shared_expert.*
     shared_gate: torch.Tensor           # [1, E]       mlp.shared_expert_gate.weight
     top_k: int
+    # The GPU path's fused layout (fused.fuse_moe, at load; None: the unfused path). The fields above are views of
+    # these, so nothing is held twice.
+    inputs: torch.Tensor | None = None           # [N + 1 (+ 2·Fs), E]: router, shared_gate (then shared gate_proj,
+                                                 # up_proj unless folded): every product over x in one GEMM
+    experts_gate_up: torch.Tensor | None = None  # [N + 1, 2F, E]: gate_up, then the shared expert as expert N
+                                                 # (folded: Fs == F); None when not folded
+    experts_down: torch.Tensor | None = None     # [N + 1, E, F]: down, then the shared expert's down_proj
 
 
 def swiglu(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +80,28 @@ def moe(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
 def moe_routed(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Tensor:
     """`moe` through the kernels' `routed_experts` (a sync-free grouped GEMM on the GPU, capturable in a CUDA
     graph; the same loop as `moe` on the CPU, bit for bit), plus the shared expert. `kind` picks the experts' tiles:
-    "decode" for one row per stream, "prefill" for a prefill chunk's rows."""
+    "decode" for one row per stream, "prefill" for a prefill chunk's rows. On the Triton path a layer loaded with
+    the fused layout runs `moe_fused`."""
+    if w.inputs is not None and use_triton(x):
+        return moe_fused(w, x, kind)
     weights, chosen = route(w, x)
     return routed_experts(x, chosen, weights, w.gate_up, w.down, kind=kind) + shared_expert(w, x)
+
+
+def moe_fused(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Tensor:
+    """`moe` in a few launches, from the fused layout: one GEMM for the router and the shared expert's gate (and
+    its gate/up when not folded), one routing kernel (softmax, top-k, renormalise: `route`'s arithmetic, ties to
+    the lowest index), then the grouped experts; folded, the shared expert is their expert N with weight
+    sigmoid(shared_gate·x), the last pair of every row, so it is summed after the routed experts as `moe` adds it.
+    Within the bf16/fp32 tolerances of `moe` (docs/families/qwen.md), not bitwise: other dot orders."""
+    N = w.router.shape[0]
+    proj = F.linear(x, w.inputs)                                        # [T, N + 1 (+ 2·Fs)]
+    gate = proj[:, N:N + 1]                                             # [T, 1] the shared expert's gate logit
+    if w.experts_gate_up is not None:
+        weights, chosen = softmax_top_k(proj[:, :N], w.top_k, gate)     # [T, k + 1]: (N, sigmoid(gate)) last
+        return routed_experts(x, chosen, weights, w.experts_gate_up, w.experts_down, kind=kind, ordered=True)
+    weights, chosen = softmax_top_k(proj[:, :N], w.top_k)               # [T, k]
+    Fs = w.shared.gate_proj.shape[0]
+    hidden = silu_mul(proj[:, N + 1:N + 1 + Fs], proj[:, N + 1 + Fs:])  # [T, Fs]
+    shared = sigmoid_mul(F.linear(hidden, w.shared.down_proj), gate)
+    return routed_experts(x, chosen, weights, w.gate_up, w.down, kind=kind, ordered=True) + shared

@@ -96,9 +96,13 @@ def family_make_tiny(directory: Path, seed: int) -> None:
     write_tiny(Path(directory), seed)
 
 
-def write_tiny(directory: Path, seed: int, moe: bool = False) -> None:
-    """A tiny deterministic Qwen3.5 text checkpoint (dense `qwen3_5_text`, or `qwen3_5_moe_text` with moe)."""
-    config = write_tiny_config(directory, {**TINY_CONFIG, **(TINY_MOE_CHANGES if moe else {})})
+def write_tiny(directory: Path, seed: int, moe: bool = False, folded: bool = False) -> None:
+    """A tiny deterministic Qwen3.5 text checkpoint (dense `qwen3_5_text`, or `qwen3_5_moe_text` with moe; folded:
+    the shared expert as wide as the experts, so a Triton device runs it as one more expert, as 35B-A3B's)."""
+    changes = {**TINY_CONFIG, **(TINY_MOE_CHANGES if moe or folded else {})}
+    if folded:
+        changes["shared_expert_intermediate_size"] = TINY_MOE_CHANGES["moe_intermediate_size"]
+    config = write_tiny_config(directory, changes)
     write_tiny_weights(directory, loader.expected_shapes(QwenConfig.from_dict(config)), draw, seed)
 
 
@@ -143,7 +147,7 @@ def family_state_image(config: Mapping[str, Any], layout: Layout) -> ImageFormat
 @hookimpl
 def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[str, str]:
     c = QwenConfig.from_dict(config)
-    experts = {"experts": "prefill chunks through the prefill tiles, one-row streams the decode tiles"} if c.moe else {}
+    experts = {"experts": experts_fact(c)} if c.moe else {}
     return {
         **experts,
         "format": f"{IMAGE_FORMAT}/{IMAGE_VERSION}",
@@ -157,6 +161,14 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "gdn_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {dtype_name(dtype)}; 1-token steps "
                          "recurrent",
     }
+
+
+def experts_fact(c: QwenConfig) -> str:
+    """How a MoE layer's GPU path computes (mlp.moe_fused): a kept state made another way is not resumed."""
+    shared = ("the shared expert as expert N of the grouped experts" if c.shared_intermediate_size ==
+              c.moe_intermediate_size else "the shared expert apart")
+    return (f"fused: router and shared gate in one GEMM, routing kernel (ties to the lowest index), {shared}; "
+            "prefill chunks through the prefill tiles, one-row streams the decode tiles")
 
 
 # ---------------------------------------------------------------- chat replies

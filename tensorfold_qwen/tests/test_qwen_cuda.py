@@ -16,10 +16,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROMPT = [(i * 53 + 7) % 500 + 3 for i in range(96)]
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "moe-folded"])
 def checkpoint(request, tmp_path_factory):
+    """"moe-folded": the shared expert runs as one more expert of the grouped call on the GPU (mlp.moe_fused)."""
     directory = tmp_path_factory.mktemp(f"qwen-cuda-{request.param}")
-    plugin.write_tiny(directory, seed=1, moe=request.param == "moe")
+    plugin.write_tiny(directory, seed=1, moe=request.param == "moe", folded=request.param == "moe-folded")
     return directory
 
 

@@ -21,10 +21,12 @@ PROMPTS = [[(i * (17 + 6 * p) + 5 * p) % 500 + 3 for i in range(24 + 9 * p)] for
 STEPS = 32
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "moe-folded"])
 def checkpoint(request, tmp_path_factory):
+    """The tiny checkpoints; "moe-folded" gives the shared expert the experts' size, so the decode step runs it as
+    one more expert of the grouped call (mlp.moe_fused), as Qwen3.5-35B-A3B's does."""
     directory = tmp_path_factory.mktemp(f"qwen-cuda-decode-{request.param}")
-    plugin.write_tiny(directory, seed=5, moe=request.param == "moe")
+    plugin.write_tiny(directory, seed=5, moe=request.param == "moe", folded=request.param == "moe-folded")
     return directory
 
 
@@ -59,7 +61,9 @@ def test_concurrent_equals_solo_under_graphs(checkpoint):
 
 def test_bf16_against_fp32_greedy_agreement(checkpoint):
     """bf16 and fp32 on the GPU, greedy over 16 prompts: tokens agreeing before the first divergence, reported;
-    random weights give flatter logits than a trained model, so the bound is loose."""
+    random weights give flatter logits than a trained model, so the bound is loose. The folded checkpoint draws
+    other weights, whose top-2 routing flips more often at the first token (docs/families/qwen.md); its bound is
+    looser still, and its fp32 is held to the CPU reference in test_qwen_cuda.py."""
     family = load_families(["qwen"])["qwen"]
     runs = {dtype: greedy(kit.load(family, checkpoint, dtype=dtype, device="cuda"), PROMPTS, STEPS, slots=16)
             for dtype in (torch.float32, torch.bfloat16)}
@@ -72,4 +76,4 @@ def test_bf16_against_fp32_greedy_agreement(checkpoint):
     print(json.dumps({"bench": "bf16_vs_fp32_greedy", "checkpoint": checkpoint.name, "prompts": len(PROMPTS),
                       "steps": STEPS, "first_token_agree": first, "all_tokens_agree": whole,
                       "mean_agreeing_prefix": sum(prefixes) / len(prefixes)}))
-    assert first >= 0.75
+    assert first >= (0.625 if checkpoint.name.startswith("qwen-cuda-decode-moe-folded") else 0.75)

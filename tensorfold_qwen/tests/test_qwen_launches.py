@@ -1,10 +1,13 @@
-"""How many device ops one GDN layer of the batched step (the GPU path) issues, counted on the CPU.
+"""How many device ops one GDN layer of the batched step (the GPU path) issues, and one MoE feed-forward on the
+Triton path, counted on the CPU.
 
 The count is a proxy for the GPU's kernel launches, not a measure of them: aten ops that compute (views and bare
 allocations are not counted), each one launch on CUDA, plus one per call of a kernel entry point from
 tensorfold.kernels (one Triton launch on CUDA; the chunked delta rule is several there, fla's), whose insides are
 not counted (on the CPU they are the naive forms). It pins the step's glue: a change that adds a launch to a layer
-moves a count here.
+moves a count here. The MoE's count goes one level down: its kernel entry points run their Triton launchers, each
+Triton kernel counted as one launch and run as a stub, so the glue inside the entry points (the experts' alignment)
+is counted too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
 from tensorfold_qwen import batched, decode, mlp, plugin
+from tensorfold_qwen.fused import can_fold, fuse_moe
 from tensorfold_qwen.gdn import GdnWeights
 
 # the kernel entry points each module calls: one launch each on CUDA (their insides are not counted)
@@ -126,3 +130,101 @@ def test_a_gdn_layer_over_prefill_chunks_and_a_decode_row(subject, monkeypatch):
         "kernel:causal_conv1d_prefill": 2, "kernel:chunk_gated_delta": 1,
         "kernel:rms_norm": 2, "kernel:silu_mul": 1,
     })
+
+
+# ---- a MoE layer's feed-forward on the Triton path ----------------------------------------------------------
+
+class KernelStub:
+    """A Triton kernel that counts its launches as "triton:<name>" and runs nothing; the routing kernel's stub
+    writes the torch twin's pairs (uncounted), since the grouping after it indexes by them."""
+
+    def __init__(self, mode: Launches, name: str) -> None:
+        self.mode, self.name = mode, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.mode.ops[f"triton:{self.name}"] += 1
+            if self.name == "_route_kernel":
+                from tensorfold.kernels.moe import routing
+                logits, gate, weights, chosen, N = args[:5]
+                self.mode.inside += 1
+                try:
+                    pairs = routing.naive(logits[:, :N], kwargs["K"], gate if kwargs["SHARED"] else None)
+                    weights.copy_(pairs[0])
+                    chosen.copy_(pairs[1])
+                finally:
+                    self.mode.inside -= 1
+
+        return launch
+
+
+@contextmanager
+def counting_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
+    """The Triton path forced on CPU tensors, every Triton kernel a KernelStub, aten ops counted."""
+    import tensorfold.kernels.moe as moe_package
+    import tensorfold.kernels.silu_gate as gate_package
+    from tensorfold.kernels.moe import routing, triton_moe, triton_routing
+    from tensorfold.kernels.silu_gate import triton_gate
+
+    mode = Launches()
+    kernels = {triton_moe: ("_gate_up_kernel", "_down_kernel", "_sum_kernel"), triton_routing: ("_route_kernel",),
+               triton_gate: ("_silu_mul_kernel", "_sigmoid_mul_kernel")}
+    for module, names in kernels.items():
+        for name in names:
+            monkeypatch.setattr(module, name, KernelStub(mode, name))
+    for module in (mlp, moe_package, routing, gate_package):
+        monkeypatch.setattr(module, "use_triton", lambda tensor: True)
+    with torch.no_grad(), mode:
+        yield mode
+
+
+def moe_layer(shared_f: int, top_k: int) -> mlp.MoeWeights:
+    """A bf16 MoE layer (E 64, 16 experts of F 32) in the fused layout the loader builds on a Triton device."""
+    g = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
+
+    w = mlp.MoeWeights(router=draw(16, 64), gate_up=draw(16, 64, 64), down=draw(16, 64, 32),
+                       shared=mlp.MlpWeights(draw(shared_f, 64), draw(shared_f, 64), draw(64, shared_f)),
+                       shared_gate=draw(1, 64), top_k=top_k)
+    return fuse_moe(w, fold=can_fold(w.shared, w.down))
+
+
+def moe_ffn_ops(monkeypatch, shared_f: int, top_k: int, T: int, kind: str) -> Counter[str]:
+    """The ops of one MoE feed-forward (moe_routed) over T rows, after a first call (a decode step's graph is
+    captured after warm-up calls; the one-block-per-pair row map is made once per shape and kept)."""
+    w = moe_layer(shared_f, top_k)
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with monkeypatch.context() as mp, counting_triton(mp):
+        mlp.moe_routed(w, x, kind)
+    with monkeypatch.context() as mp, counting_triton(mp) as mode:
+        mlp.moe_routed(w, x, kind)
+    return mode.ops
+
+
+# one GEMM over x (router and shared gate), the routing kernel, the grouped experts' three kernels
+FOLDED = Counter({"mm": 1, "triton:_route_kernel": 1, "triton:_gate_up_kernel": 1, "triton:_down_kernel": 1,
+                  "triton:_sum_kernel": 1})
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_a_decode_moe_ffn_is_five_launches(monkeypatch, T):
+    """The shared expert folded in (shared F == F): nothing but the five launches, up to 8 streams at k = 8 (72
+    pairs with the shared expert's, one block each: the alignment issues no op)."""
+    assert moe_ffn_ops(monkeypatch, shared_f=32, top_k=8, T=T, kind="decode") == FOLDED
+
+
+def test_a_decode_moe_ffn_with_the_shared_expert_apart(monkeypatch):
+    """shared F != F: its gate and up come from the one GEMM; silu·up, its down GEMM, the gate and the sum."""
+    assert moe_ffn_ops(monkeypatch, shared_f=48, top_k=8, T=1, kind="decode") == FOLDED + Counter({
+        "triton:_silu_mul_kernel": 1, "mm": 1, "triton:_sigmoid_mul_kernel": 1, "add": 1})
+
+
+def test_a_prefill_moe_ffn_groups_its_pairs_on_the_device(monkeypatch):
+    """Prefill rows are grouped by expert with device ops (sort, searchsorted, scatter: docs/kernels.md), the rest
+    as in decode; the per-row sort and range check are gone (the routing kernel's pairs come ordered)."""
+    ops = moe_ffn_ops(monkeypatch, shared_f=32, top_k=4, T=40, kind="prefill")
+    assert ops == FOLDED + Counter({
+        "sort": 1, "searchsorted": 2, "arange": 3, "index": 2, "sub": 4, "add": 2, "mul": 2, "floor_divide": 1,
+        "cumsum": 1, "clamp": 1, "lt": 1, "where": 1, "scalar_tensor": 1, "full": 1, "scatter_": 1, "_to_copy": 2})

@@ -1,5 +1,6 @@
 """Routed experts of a mixture-of-experts layer (the part after the router): each row's k chosen experts' MLPs,
-weighted and summed. Two expert activations:
+weighted and summed; and the router's softmax → top-k → renormalise in one kernel (`softmax_top_k`, routing.py),
+whose pairs come ordered (`routed_experts(..., ordered=True)`). Two expert activations:
 
     "silu_gate" (default)  SwiGLU, HF transformers 5.x's fused layout (`Qwen3_5MoeExperts`): gate_up [N, 2F, E]
                            with the gate rows first, then the up rows; down [N, E, F]
@@ -25,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from tensorfold.kernels.backend import use_triton
+from tensorfold.kernels.moe.routing import softmax_top_k
 
-__all__ = ["ACTIVATIONS", "KINDS", "routed_experts"]
+__all__ = ["ACTIVATIONS", "KINDS", "routed_experts", "softmax_top_k"]
 
 ACTIVATIONS = ("silu_gate", "relu2")
 KINDS = ("decode", "prefill")
@@ -71,7 +73,7 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
-                   limit: float | None = None) -> torch.Tensor:
+                   limit: float | None = None, ordered: bool = False) -> torch.Tensor:
     """x [T, E], chosen [T, k] long, weights [T, k] (x's dtype), gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
     out[t] = Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
     activation="relu2": gate_up [N, F, E] holds the up weights only and the expert is down[e] @ relu(u)², u =
@@ -82,7 +84,9 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     row's bits are the same in any batch of one kind (triton_moe). The naive path has one form for both.
 
     On the CPU the expert ids are checked to lie in [0, N); on the GPU that would cost a sync, so there an id
-    outside the range contributes nothing."""
+    outside the range contributes nothing. ordered=True promises each row's ids ascending and in [0, N) (what
+    `softmax_top_k` writes): the Triton path then takes them as they are, without its sort and range check (an id
+    out of range would then read outside the weights); the naive path does not need it."""
     check(x, chosen, weights, gate_up, down, activation)
     if kind not in KINDS:
         raise ValueError(f"routed_experts: kind must be one of {KINDS}, got {kind!r}")
@@ -90,7 +94,8 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"routed_experts: limit clamps the silu_gate activation only, got {activation!r}")
     if use_triton(x):
         from tensorfold.kernels.moe import triton_moe
-        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation, kind, limit=limit)
+        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation, kind, limit=limit,
+                                         ordered=ordered)
     N = gate_up.shape[0]
     if not x.is_cuda and chosen.numel() and not bool(((chosen >= 0) & (chosen < N)).all()):
         raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")

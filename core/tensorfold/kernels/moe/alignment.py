@@ -12,10 +12,12 @@ import triton
 class Alignment:
     """The pairs grouped by expert on the device; every shape here is a static bound, none read from data."""
 
-    expert: torch.Tensor          # [P] int32, pair t·k + j's expert (N where out of range), j in expert order
+    expert: torch.Tensor          # [P] int32 (ordered: the caller's int64), pair t·k + j's expert (N where out of
+                                  # range), j in expert order
     weight: torch.Tensor          # [P] x's dtype, the pair's routing weight
     row_pair: torch.Tensor        # [blocks · BLOCK_M] int32, the pair at each padded row (P where none)
-    block_expert: torch.Tensor    # [blocks] int32, the expert of each block (N where unused)
+    block_expert: torch.Tensor    # [blocks] int32 (or `expert` itself, one block per pair), the expert of each
+                                  # block (N where unused)
 
 
 def blocks_bound(P: int, N: int, block_m: int) -> int:

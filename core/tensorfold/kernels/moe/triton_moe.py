@@ -4,7 +4,9 @@
         sorted by expert (stable); each expert's group padded to BLOCK_M rows; `row_pair[r]` names the pair at
         padded row r (P = T·k where none), `block_expert[b]` the expert of block b (N where none). At most
         PAIR_BLOCKS_UP_TO pairs (decode) skip the grouping: block p holds pair p alone in its first row. On CUDA
-        the grouping is triton_align's two launches; elsewhere (and as their reference) a dozen torch ops.
+        the grouping is triton_align's two launches; elsewhere (and as their reference) a dozen torch ops. Pairs
+        that come `ordered` (a routing kernel's: ids ascending per row, all in range) skip the per-row sort and
+        the range check, so a decode call's align issues no launch at all.
     gate_up kernel, program (block b, F block)   h = round(round(silu(g)) · u), [g | u] = x[token] @ gate_up[e]ᵀ
                                                  (with a limit, g and u clamped first, each rounded again)
                                                  (relu2: h = round(relu(u)²), u = x[token] @ gate_up[e]ᵀ, no gate)
@@ -42,7 +44,8 @@ from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_M = 16          # decode: rows per expert block; every group is padded to a multiple of it
 PREFILL_BLOCK_M = 128  # prefill: rows per expert block (bench/moe_tiles.py picked the tiles)
-PAIR_BLOCKS_UP_TO = 64  # decode, at most this many (row, expert) pairs: one block per pair, no grouping
+PAIR_BLOCKS_UP_TO = 72  # decode, at most this many (row, expert) pairs: one block per pair, no grouping
+                        # (8 streams at k = 8, plus a shared expert run as a ninth pair)
 KINDS = ("decode", "prefill")
 
 
@@ -187,20 +190,24 @@ def _lone_rows(P: int, block_m: int, device: torch.device) -> torch.Tensor:
 
 
 def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BLOCK_M,
-          grouped_only: bool = False) -> Alignment:
+          grouped_only: bool = False, ordered: bool = False) -> Alignment:
     """Sort the (row, j) pairs by expert and pad each group to block_m rows, with device ops only; a few pairs
-    (decode, unless grouped_only) get a block each instead, which skips the grouping's dozen small launches."""
+    (decode, unless grouped_only) get a block each instead, which skips the grouping's dozen small launches.
+    ordered: each row's ids are already ascending and in [0, N) (routing.softmax_top_k's), taken as they are."""
     T, k = chosen.shape
     P, device = T * k, chosen.device
     if chosen.is_cuda and (grouped_only or P > PAIR_BLOCKS_UP_TO):
         return align_grouped(chosen, weights, N, block_m)                 # the same bits in two launches
-    ordered, perm = chosen.sort(dim=1, stable=True)                       # a row's pairs in ascending expert
-    weight = weights.gather(1, perm).reshape(P)
-    expert = ordered.reshape(P)
-    expert = torch.where((expert >= 0) & (expert < N), expert, N)         # out of range -> group N, dropped
+    if ordered:
+        expert, weight = chosen.reshape(P), weights.reshape(P)
+    else:
+        by_expert, perm = chosen.sort(dim=1, stable=True)                 # a row's pairs in ascending expert
+        weight = weights.gather(1, perm).reshape(P)
+        expert = by_expert.reshape(P)
+        expert = torch.where((expert >= 0) & (expert < N), expert, N)     # out of range -> group N, dropped
     if P <= PAIR_BLOCKS_UP_TO and not grouped_only:
-        return Alignment(expert=expert.to(torch.int32), weight=weight, row_pair=_lone_rows(P, block_m, device),
-                         block_expert=expert.to(torch.int32))
+        ids = expert if ordered else expert.to(torch.int32)
+        return Alignment(expert=ids, weight=weight, row_pair=_lone_rows(P, block_m, device), block_expert=ids)
     grouped, order = torch.sort(expert, stable=True)                      # pairs grouped by expert
     starts = torch.searchsorted(grouped, torch.arange(N + 1, device=device))   # [N + 1] each group's first place
     rank = torch.arange(P, device=device) - starts[grouped]               # a pair's place in its group
@@ -214,15 +221,16 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
     row_pair.scatter_(0, dest, order.to(torch.int32))                      # row `rows` collects the dropped
     block_start = torch.arange(blocks, device=device) * block_m
     block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
-    return Alignment(expert=expert.to(torch.int32), weight=weight, row_pair=row_pair[:rows],
+    return Alignment(expert=expert if ordered else expert.to(torch.int32), weight=weight, row_pair=row_pair[:rows],
                      block_expert=block_expert)
 
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
-                   config: Config | None = None, limit: float | None = None) -> torch.Tensor:
+                   config: Config | None = None, limit: float | None = None, ordered: bool = False) -> torch.Tensor:
     """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
-    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's; `limit` clamps the SwiGLU."""
+    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's; `limit` clamps the SwiGLU;
+    `ordered`: each row's ids ascending and in range (align)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
@@ -236,7 +244,7 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     if F == 0:
         return out.zero_()
     cfg = config or config_for(E, F, x.dtype, kind)
-    plan = align(chosen, weights, N, cfg.block_m, cfg.grouped_only)
+    plan = align(chosen, weights, N, cfg.block_m, cfg.grouped_only, ordered)
     P, blocks = T * k, plan.block_expert.shape[0]
     hidden = torch.empty((blocks * cfg.block_m, F), dtype=x.dtype, device=x.device)
     contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
