@@ -141,15 +141,18 @@ def hf_model(shape: str, dtype: torch.dtype):
     return hf, config
 
 
+def load_ours(shape: str, config, tensors: dict[str, torch.Tensor], dtype: torch.dtype, consume: bool = False):
+    """Our model of `shape` from tensors in HF's names, and its Layout (consume: TensorsCheckpoint's)."""
+    family = load_families([SHAPES[shape][0]])[SHAPES[shape][0]]
+    config_dict = config.to_dict()
+    ours = family.load(TensorsCheckpoint(config_dict, tensors, consume), dtype, torch.device(DEVICE))
+    return ours, family.declare(config_dict, dtype).layout
+
+
 def build(shape: str, dtype: torch.dtype):
     """HF's model with random weights on the GPU, and ours loaded from the same tensors."""
-    family_name = SHAPES[shape][0]
     hf, config = hf_model(shape, dtype)
-    family = load_families([family_name])[family_name]
-    config_dict = config.to_dict()
-    checkpoint = TensorsCheckpoint(config_dict, dict(hf.state_dict()))
-    ours = family.load(checkpoint, dtype, torch.device(DEVICE))
-    layout = family.declare(config_dict, dtype).layout
+    ours, layout = load_ours(shape, config, dict(hf.state_dict()), dtype)
     params = sum(p.numel() for p in hf.parameters())
     return hf, ours, layout, params, config
 
@@ -159,17 +162,14 @@ def ours_in_place_of(hf, config, shape: str, dtype: torch.dtype):
     layout) frees each original as it goes, so a 35B model is held about once, not twice."""
     import gc
 
-    family = load_families([SHAPES[shape][0]])[SHAPES[shape][0]]
-    config_dict = config.to_dict()
     state = dict(hf.state_dict())
     hf.to("meta")                                        # the model's own references go; `state` holds the tensors
     gc.collect()
-    ours = family.load(TensorsCheckpoint(config_dict, state, consume=True), dtype, torch.device(DEVICE))
-    del state
+    ours, layout = load_ours(shape, config, state, dtype, consume=True)
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-    return ours, family.declare(config_dict, dtype).layout
+    return ours, layout
 
 
 def our_store(layout, streams: int, rows: int, page_rows: int = 256) -> PagedStore:
