@@ -8,8 +8,9 @@
                 states (in place; a padded row touches none), the gated norm, o_proj
         MLA:    mla_decode.py: the latent and the pool state written, the DSA pick on the device over the pooled
                 keys read through the page tables, the attention over the picked latents with kv_b absorbed
-        ffn:    the clamped SwiGLU, or the MoE through mlp.moe_routed (routing in tensor ops, the experts in the
-                kernels' routed_experts)
+        ffn:    the clamped SwiGLU, or the MoE through mlp.moe_routed (on CUDA mlp.moe_fused: the router GEMM, the
+                routing kernel, the grouped experts with the shared one folded in; on the CPU routing in tensor ops
+                and the experts in the kernels' routed_experts)
         TP=N:   each block's output is this rank's part, summed over ranks by shard.reduce as in model.py
     logits = lm_head(rms_norm(mean over streams))                                  [B, V] float32
 

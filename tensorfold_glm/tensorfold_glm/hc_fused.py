@@ -22,41 +22,19 @@ Shapes: T rows, m streams (1..MAX_STREAMS), E hidden size, M = (2 + m)·m mixes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from tensorfold.kernels.triton_ieee import INTERPRETED
+from tensorfold.kernels.triton_ieee import div as _div
+from tensorfold.kernels.triton_ieee import exp as _exp
+from tensorfold.kernels.triton_ieee import sigmoid as _sigmoid
 from tensorfold.kernels.triton_rounding import round_to
 
 MAX_STREAMS = 8                                                    # m is padded to a power of two up to this
 BLOCK_T = 16                                                       # rows per coefficients program
 MAX_BLOCK_E = 1024                                                 # columns per collapse / post program
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"      # libdevice has no interpreter version
-
-
-@triton.jit
-def _div(x, y):
-    """x / y rounded as IEEE division (triton's `/` is approximate on the GPU), broadcast first."""
-    x, y = tl.broadcast(x, y)
-    return tl.div_rn(x, y)
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    """exp as CUDA's expf on the GPU (libdevice), numpy's under the interpreter."""
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _sigmoid(x, LIBDEVICE: tl.constexpr):
-    """1 / (1 + exp(-x)), torch's sigmoid formula."""
-    return _div(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, LIBDEVICE))
 
 
 @triton.jit
@@ -181,7 +159,7 @@ def coefficients(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m
     if n:
         _coefficients_kernel[(triton.cdiv(n, BLOCK_T),)](
             mixes, base.contiguous(), scale.contiguous(), pre, post, comb, n, mixes.stride(0), hc_eps,
-            M=mult, MP=triton.next_power_of_2(mult), ITERS=iters, BLOCK_T=BLOCK_T, LIBDEVICE=not _INTERPRETED,
+            M=mult, MP=triton.next_power_of_2(mult), ITERS=iters, BLOCK_T=BLOCK_T, LIBDEVICE=not INTERPRETED,
             num_warps=4, enable_fp_fusion=False)
     return pre, post, comb
 

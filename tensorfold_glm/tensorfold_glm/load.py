@@ -7,7 +7,8 @@ read, one per checkpoint: the on-disk form HF's save_pretrained writes (names.py
 [N, E, F]), which `memory_names` maps onto the first. Tensors HF keeps
 in float32 at a bf16 load stay float32 here too (the KDA convs, A_log, dt_bias, the mHC base and scale, the router
 and its correction bias), so a bf16 model computes with the numbers HF computes with. The vision tower, MTP layers
-and `shared_head` tensors are skipped with one log line.
+and `shared_head` tensors are skipped with one log line. On a Triton device each MoE layer whose shared expert has
+a routed expert's width gets the folded layout `mlp.moe_fused` reads (fused.fuse_moe), layer by layer.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from collections.abc import Callable
 import torch
 
 from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tensors
+from tensorfold.kernels.backend import use_triton
 from tensorfold.shard import SINGLE, Shard
 from tensorfold_glm.config import LINEAR, SPARSE, GlmConfig
+from tensorfold_glm.fused import can_fold, fuse_moe
 from tensorfold_glm.hc import HcWeights
 from tensorfold_glm.indexer import IndexerWeights
 from tensorfold_glm.kda import KdaWeights
@@ -159,7 +162,7 @@ def mlp_weights(get: Get, prefix: str) -> MlpWeights:
 
 def moe_weights(config: GlmConfig, get: Get, has: Callable[[str], bool]) -> MoeWeights:
     """The experts as gate_up [N, 2F, E] (gate rows, then up rows) and down [N, E, F]: fused as they come, or
-    per-expert tensors stacked."""
+    per-expert tensors stacked; on a Triton device with the shared expert folded in where it fits."""
     F, N, E = config.moe_intermediate_size, config.n_routed_experts, config.hidden_size
     gate_up = down = None
     if has(FUSED_EXPERTS[0]):
@@ -170,5 +173,6 @@ def moe_weights(config: GlmConfig, get: Get, has: Callable[[str], bool]) -> MoeW
             gate_up = expert.gate_proj.new_empty((N, 2 * F, E))
             down = expert.down_proj.new_empty((N, E, F))
         gate_up[e, :F], gate_up[e, F:], down[e] = expert.gate_proj, expert.up_proj, expert.down_proj
-    return MoeWeights(router=get("mlp.gate.weight"), e_score_correction_bias=get("mlp.gate.e_score_correction_bias"),
-                      gate_up=gate_up, down=down, shared_experts=mlp_weights(get, "mlp.shared_experts."))
+    w = MoeWeights(router=get("mlp.gate.weight"), e_score_correction_bias=get("mlp.gate.e_score_correction_bias"),
+                   gate_up=gate_up, down=down, shared_experts=mlp_weights(get, "mlp.shared_experts."))
+    return fuse_moe(w) if use_triton(w.router) and can_fold(w) else w

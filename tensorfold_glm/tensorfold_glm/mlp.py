@@ -11,7 +11,9 @@ The clamp applies to the dense MLP, the shared expert and every routed expert al
 lower index (torch.topk leaves tie order unspecified; on untied inputs both choose the same set). The routed sum
 follows HF's default `grouped_mm` experts path: each expert's output in the model dtype times its float32 weight,
 summed in float32 (here in ascending expert order), rounded once to the model dtype. The decode step's `moe_routed`
-runs the same routing and sum with the experts' GEMMs in the kernels' sync-free `routed_experts`.
+runs the same routing and sum with the experts' GEMMs in the kernels' sync-free `routed_experts`. On a Triton device
+(CUDA) both run `moe_fused`: the routing in one kernel, the experts and their float32 sum in the grouped kernels,
+the shared expert folded in as expert N when its width is the experts' (fused.fuse_moe).
 
 Shapes in comments: T rows, E hidden size, F intermediate size, N experts, k experts per token, G groups.
 """
@@ -22,7 +24,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.moe import routed_experts as kernel_experts
+from tensorfold.kernels.moe import sigmoid_bias_top_k
 
 
 @attrs.frozen
@@ -37,13 +41,17 @@ class MlpWeights:
 @attrs.frozen
 class MoeWeights:
     """A routed MoE layer, experts in HF's fused layout (per-expert checkpoint tensors `mlp.experts.{e}.*_proj`
-    stacked at load: gate rows then up rows). router and e_score_correction_bias stay float32 at a bf16 load."""
+    stacked at load: gate rows then up rows). router and e_score_correction_bias stay float32 at a bf16 load. On a
+    Triton device the loader folds the shared expert in (fused.fuse_moe): experts_gate_up / experts_down hold the
+    N experts and the shared one as expert N, and gate_up, down and shared_experts are views of them."""
 
     router: torch.Tensor                    # [N, E]       mlp.gate.weight (float32)
     e_score_correction_bias: torch.Tensor   # [N]          mlp.gate.e_score_correction_bias (float32)
     gate_up: torch.Tensor                   # [N, 2F, E]   mlp.experts.{e}.gate_proj, then .up_proj
     down: torch.Tensor                      # [N, E, F]    mlp.experts.{e}.down_proj
     shared_experts: MlpWeights              #              mlp.shared_experts.* (F·n_shared_experts wide)
+    experts_gate_up: torch.Tensor | None = None   # [N + 1, 2F, E]  folded: the experts, then the shared expert
+    experts_down: torch.Tensor | None = None      # [N + 1, E, F]
 
 
 def clamped_glu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -59,9 +67,14 @@ def swiglu(w: MlpWeights, x: torch.Tensor, limit: float | None) -> torch.Tensor:
     return F.linear(clamped_glu(F.linear(x, w.gate_proj), F.linear(x, w.up_proj), limit), w.down_proj)
 
 
+def router_logits(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+    """x @ routerᵀ in float32 (HF casts x up): [T, E] -> [T, N]."""
+    return F.linear(x.float(), w.router.float())
+
+
 def router_scores(w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     """sigmoid(x @ routerᵀ) in float32: [T, E] -> [T, N]."""
-    return torch.sigmoid(F.linear(x.float(), w.router.float()))
+    return torch.sigmoid(router_logits(w, x))
 
 
 def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -116,9 +129,11 @@ def routed_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen
 
 def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool, n_group: int,
         topk_group: int, limit: float | None) -> torch.Tensor:
-    """The sparse layer: routed experts plus the shared expert, [T, E] -> [T, E] in x's dtype. On CUDA the routed
-    experts run as `pair_experts` with the kernels' prefill tiles (one grouped GEMM launch set, no host sync), on
-    the CPU one row at a time (the reference)."""
+    """The sparse layer: routed experts plus the shared expert, [T, E] -> [T, E] in x's dtype. On a Triton device
+    `moe_fused` with the kernels' prefill tiles; on CUDA without Triton the routed experts run as `pair_experts`
+    with the prefill tiles; on the CPU one row at a time (the reference)."""
+    if use_triton(x):
+        return moe_fused(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group, limit, kind="prefill")
     weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)
     if x.device.type == "cuda":
         routed = pair_experts(w, x, weights, chosen, limit, kind="prefill")
@@ -132,8 +147,9 @@ def pair_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: 
     """`routed_experts` with no host sync: each (row, expert) pair through the kernels' `routed_experts` as its own
     row of weight 1 (the clamped SwiGLU; a grouped GEMM on the GPU, capturable in a CUDA graph), so each pair's
     output is the expert's in x's dtype, and the float32 weighted sum in ascending expert order stays this
-    module's (the kernel would weight and sum in x's dtype). `kind` picks the kernel's tiles ("decode" or
-    "prefill"); a row's bits are the same in any call of one kind."""
+    module's (the kernel's default sum would weight and sum in x's dtype). `kind` picks the kernel's tiles ("decode"
+    or "prefill"); a row's bits are the same in any call of one kind. Off the Triton path only: there `moe_fused`
+    runs the kernel's own float32 sum."""
     T, k = chosen.shape
     pairs = x[:, None].expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])         # [T·k, E]
     ones = torch.ones(T * k, 1, dtype=x.dtype, device=x.device)
@@ -147,7 +163,27 @@ def pair_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: 
 
 def moe_routed(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
                n_group: int, topk_group: int, limit: float | None) -> torch.Tensor:
-    """`moe` for the decode step on every device: the routing as above (tensor ops) and `pair_experts` with the
-    decode tiles."""
+    """`moe` for the decode step on every device: on a Triton device `moe_fused` with the decode tiles; elsewhere
+    the routing as above (tensor ops) and `pair_experts` with the decode tiles."""
+    if use_triton(x):
+        return moe_fused(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group, limit, kind="decode")
     weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)   # [T, k] each
     return pair_experts(w, x, weights, chosen, limit, kind="decode") + swiglu(w.shared_experts, x, limit)
+
+
+def moe_fused(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
+              n_group: int, topk_group: int, limit: float | None, kind: str) -> torch.Tensor:
+    """`moe` on the Triton path in a few launches: the float32 router GEMM, one routing kernel (`route`'s
+    arithmetic, ties as `choose` breaks them, ids ascending), then the grouped experts with the float32 weighted
+    sum in ascending expert order, rounded once. Folded (fused.fuse_moe), the shared expert is their last pair
+    (expert N, weight 1), added after that rounding as `moe` adds it; apart, its SwiGLU runs in torch. Within
+    the kernels' tolerances of `moe`, not bitwise (other dot orders; docs/families/glm.md)."""
+    folded = w.experts_gate_up is not None
+    weights, chosen = sigmoid_bias_top_k(router_logits(w, x), w.e_score_correction_bias.float(), top_k, n_group,
+                                         topk_group, norm_topk_prob, routed_scaling, shared=folded)   # [T, k (+1)]
+    if folded:
+        return kernel_experts(x, chosen, weights, w.experts_gate_up, w.experts_down, kind=kind, limit=limit,
+                              ordered=True, float32_sum=True, shared_last=True)
+    routed = kernel_experts(x, chosen, weights, w.gate_up, w.down, kind=kind, limit=limit, ordered=True,
+                            float32_sum=True)
+    return routed + swiglu(w.shared_experts, x, limit)

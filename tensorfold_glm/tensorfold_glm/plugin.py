@@ -223,9 +223,11 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
                 f"{bound}"),
         "kda_state": f"recurrent float32, conv tail {act} (last {c.linear_conv_kernel_dim - 1} inputs of [q|k|v])",
         "kda_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {act}; 1-token steps recurrent",
-        "experts": ("each (row, expert) pair through the kernels' routed_experts (prefill tiles for a chunk, decode "
-                    f"tiles for one-token rows), output in {act}, weighted and summed in float32 in ascending expert "
-                    "order"),
+        "experts": ("routing kernel (float32 sigmoid, biased group-limited top-k, ties to the lower index); the "
+                    "(row, expert) pairs through the kernels' grouped routed_experts (prefill tiles for a chunk, "
+                    f"decode tiles for one-token rows), outputs in {act}, weighted and summed in float32 in ascending "
+                    "expert order, rounded once; then the shared expert "
+                    + ("as expert N of the grouped call" if c.n_shared_experts == 1 else "apart")),
     }
 
 

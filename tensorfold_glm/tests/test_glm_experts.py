@@ -1,4 +1,4 @@
-"""The routed experts' pair form (`pair_experts`, the decode step's and the GPU prefill's path) against the
+"""The routed experts' pair form (`pair_experts`, the decode step's path off the Triton path) against the
 one-row-at-a-time reference: the same sums within the kernels' rounding in float32, the clamp applied alike, and a
 row's bits the same alone and in a batch of its kind. On the CPU the kernels' `routed_experts` runs its naive form
 (tests/core/kernels/test_moe.py holds the Triton form to it, clamp included, in the interpreter and on the H200)."""

@@ -1,6 +1,7 @@
 """Routed experts of a mixture-of-experts layer (the part after the router): each row's k chosen experts' MLPs,
-weighted and summed; and the router's softmax → top-k → renormalise in one kernel (`softmax_top_k`, routing.py),
-whose pairs come ordered (`routed_experts(..., ordered=True)`). Two expert activations:
+weighted and summed; and the router's last step in one kernel (routing.py: `softmax_top_k`, Qwen's softmax, and
+`sigmoid_bias_top_k`, GLM-5's biased sigmoid), whose pairs come ordered (`routed_experts(..., ordered=True)`).
+Two expert activations:
 
     "silu_gate" (default)  SwiGLU, HF transformers 5.x's fused layout (`Qwen3_5MoeExperts`): gate_up [N, 2F, E]
                            with the gate rows first, then the up rows; down [N, E, F]
@@ -11,6 +12,13 @@ whose pairs come ordered (`routed_experts(..., ordered=True)`). Two expert activ
 
 `limit` (silu_gate only) clamps the SwiGLU as GLM-5 does: silu(min(g, limit)) · clamp(u, -limit, limit), g and u
 rounded to x's dtype before the clamp (HF's `swiglu_limit`); None: no clamp.
+
+Two sums. By default each pair's output is weighted in x's dtype and the row's sum rounded after each add
+(tensorfold_qwen's torch `moe`). `float32_sum` (GLM-5; HF's grouped_mm experts path) takes float32 weights: each
+pair's output rounded to x's dtype, times its weight in float32, summed in float32 in ascending expert order,
+rounded once. With `shared_last` the row's last pair (its largest id: a shared expert folded in as expert N) is
+left out of that sum and added after its rounding, round(round(Σ routed) + round(c · weight)), as a family's
+`routed + shared` adds the shared expert.
 
 Shapes: T rows, E hidden size, F expert intermediate size, N experts, k experts per row. Intermediates are
 rounded to x's dtype where tensorfold_qwen's torch `moe` (and HF's nemotron_h experts) round them.
@@ -26,9 +34,9 @@ from __future__ import annotations
 import torch
 
 from tensorfold.kernels.backend import use_triton
-from tensorfold.kernels.moe.routing import softmax_top_k
+from tensorfold.kernels.moe.routing import sigmoid_bias_top_k, softmax_top_k
 
-__all__ = ["ACTIVATIONS", "KINDS", "routed_experts", "softmax_top_k"]
+__all__ = ["ACTIVATIONS", "KINDS", "routed_experts", "sigmoid_bias_top_k", "softmax_top_k"]
 
 ACTIVATIONS = ("silu_gate", "relu2")
 KINDS = ("decode", "prefill")
@@ -42,7 +50,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-          down: torch.Tensor, activation: str = "silu_gate") -> None:
+          down: torch.Tensor, activation: str = "silu_gate", float32_sum: bool = False) -> None:
     """Raise ValueError naming the first argument whose shape, dtype or device does not fit (no device reads)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"routed_experts: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -54,7 +62,7 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
                          f"got {list(chosen.shape)}")
     k = chosen.shape[1]
     _check("chosen", chosen, (T, k), torch.long, x)
-    _check("weights", weights, (T, k), x.dtype, x)
+    _check("weights", weights, (T, k), torch.float32 if float32_sum else x.dtype, x)
     if activation == "relu2":
         if gate_up.dim() != 3 or gate_up.shape[0] < 1:
             raise ValueError(f"routed_experts: gate_up must be [N, F, E] (up rows only, relu2) with N >= 1, "
@@ -73,7 +81,8 @@ def check(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up:
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
-                   limit: float | None = None, ordered: bool = False) -> torch.Tensor:
+                   limit: float | None = None, ordered: bool = False, float32_sum: bool = False,
+                   shared_last: bool = False) -> torch.Tensor:
     """x [T, E], chosen [T, k] long, weights [T, k] (x's dtype), gate_up [N, 2F, E], down [N, E, F] -> [T, E]:
     out[t] = Σ_j weights[t, j] · down[e] @ (silu(g) · u), [g | u] = gate_up[e] @ x[t], e = chosen[t, j].
     activation="relu2": gate_up [N, F, E] holds the up weights only and the expert is down[e] @ relu(u)², u =
@@ -86,8 +95,13 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     On the CPU the expert ids are checked to lie in [0, N); on the GPU that would cost a sync, so there an id
     outside the range contributes nothing. ordered=True promises each row's ids ascending and in [0, N) (what
     `softmax_top_k` writes): the Triton path then takes them as they are, without its sort and range check (an id
-    out of range would then read outside the weights); the naive path does not need it."""
-    check(x, chosen, weights, gate_up, down, activation)
+    out of range would then read outside the weights); the naive path does not need it.
+
+    float32_sum: weights [T, k] float32, the sum in float32, rounded once; shared_last (with float32_sum): the
+    row's last pair added after that rounding (module docstring)."""
+    check(x, chosen, weights, gate_up, down, activation, float32_sum)
+    if shared_last and not float32_sum:
+        raise ValueError("routed_experts: shared_last applies to the float32 sum only (float32_sum=True)")
     if kind not in KINDS:
         raise ValueError(f"routed_experts: kind must be one of {KINDS}, got {kind!r}")
     if limit is not None and activation != "silu_gate":
@@ -95,9 +109,9 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     if use_triton(x):
         from tensorfold.kernels.moe import triton_moe
         return triton_moe.routed_experts(x, chosen, weights, gate_up, down, activation, kind, limit=limit,
-                                         ordered=ordered)
+                                         ordered=ordered, float32_sum=float32_sum, shared_last=shared_last)
     N = gate_up.shape[0]
     if not x.is_cuda and chosen.numel() and not bool(((chosen >= 0) & (chosen < N)).all()):
         raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")
     from tensorfold.kernels.moe import naive
-    return naive.routed_experts(x, chosen, weights, gate_up, down, activation, limit)
+    return naive.routed_experts(x, chosen, weights, gate_up, down, activation, limit, float32_sum, shared_last)

@@ -14,7 +14,8 @@ class Alignment:
 
     expert: torch.Tensor          # [P] int32 (ordered: the caller's int64), pair t·k + j's expert (N where out of
                                   # range), j in expert order
-    weight: torch.Tensor          # [P] x's dtype, the pair's routing weight
+    weight: torch.Tensor          # [P] the weights' dtype (x's, or float32 for a float32 sum), the pair's
+                                  # routing weight
     row_pair: torch.Tensor        # [blocks · BLOCK_M] int32, the pair at each padded row (P where none)
     block_expert: torch.Tensor    # [blocks] int32 (or `expert` itself, one block per pair), the expert of each
                                   # block (N where unused)

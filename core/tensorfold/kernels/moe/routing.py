@@ -1,22 +1,33 @@
-"""A MoE router's last step, from logits to (weight, expert) pairs, in one launch on the GPU: per row a float32
-softmax over the N experts' logits, the k largest, renormalised (norm_topk_prob), cast to the logits' dtype.
+"""A MoE router's last step, from logits to (weight, expert) pairs, in one launch on the GPU. Two scorings:
 
     softmax_top_k(logits [T, N], k, shared [T, 1] | None) -> weights [T, k'] (logits' dtype), chosen [T, k'] long
+    sigmoid_bias_top_k(logits [T, N], bias [N], k, n_group, topk_group, norm, scale, shared: bool)
+        -> weights [T, k'] float32, chosen [T, k'] long
 
 Each row's chosen ids come in ascending order (the order the grouped experts sum in), so `routed_experts(...,
-ordered=True)` skips its sort. With `shared` (a shared expert's gate logit), k' = k + 1: a last pair
-(N, sigmoid(shared)) names the shared expert as expert N of an extended weight set, so the grouped experts run it
-with the routed ones.
+ordered=True)` skips its sort. With a shared expert, k' = k + 1: a last pair names it as expert N of an extended
+weight set, so the grouped experts run it with the routed ones.
 
-Ties: the k largest logits are taken (softmax is monotonic: the k largest probabilities), equal logits in
-ascending index order, so the lowest index wins a tie at the k-th place. torch.topk (HF's router) leaves its tie
-order unspecified (on the CPU it does not pick the lowest index); rows without a tie at the k-th place choose the
-same set. A NaN logit counts as -inf, so every row names k distinct experts in [0, N).
+softmax_top_k (Qwen3.5-MoE): per row a float32 softmax over the N experts' logits, the k largest, renormalised
+(norm_topk_prob), cast to the logits' dtype; the shared pair is (N, sigmoid(shared)). Ties: the k largest logits
+are taken (softmax is monotonic: the k largest probabilities), equal logits in ascending index order, so the
+lowest index wins a tie at the k-th place. torch.topk (HF's router) leaves its tie order unspecified (on the CPU it
+does not pick the lowest index); rows without a tie at the k-th place choose the same set. Rounding (both paths):
+probabilities p = e / Σe, e = exp(logit - max), in float32; weights p / Σ_chosen p in float32, rounded once to the
+logits' dtype; the shared gate round(sigmoid(s)). The Triton kernel sums in another order than torch: float32
+weights agree with `naive` (and with tensorfold_qwen's torch `route`) within a few float32 ulps, bfloat16 weights
+are equal or one bf16 ulp apart (tests/core/kernels/test_moe_routing.py).
 
-Rounding (both paths): probabilities p = e / Σe, e = exp(logit - max), in float32; weights p / Σ_chosen p in
-float32, rounded once to the logits' dtype; the shared gate round(sigmoid(s)). The Triton kernel sums in another
-order than torch: float32 weights agree with `naive` (and with tensorfold_qwen's torch `route`) within a few
-float32 ulps, bfloat16 weights are equal or one bf16 ulp apart (tests/core/kernels/test_moe_routing.py).
+sigmoid_bias_top_k (GLM-5, DeepSeek-V3's scoring): scores s = sigmoid(logit) in float32; the experts chosen by
+s + bias, with n_group > 1 only within the topk_group groups (N / n_group consecutive experts each) whose two best
+biased scores sum highest; weights the unbiased s of the chosen, divided by (Σ_chosen s + 1e-20) if norm, times
+scale, kept in float32; the shared pair is (N, 1.0). Ties go to the lower index, among groups as among experts
+(a stable descending sort: tensorfold_glm's `mlp.choose`). `sigmoid_naive` is its torch twin; the kernel's sigmoid
+is torch's formula with CUDA's expf and IEEE division (kernels/triton_ieee.py) and its Σ_chosen s another order
+of the same k float32 terms: weights within a few float32 ulps of the twin, the same ids
+(tests/core/kernels/test_moe_routing_sigmoid.py).
+
+Both scorings count a NaN logit (or biased score) as -inf, so every row names k distinct experts in [0, N).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import torch
 
 from tensorfold.kernels.backend import use_triton
 
-__all__ = ["check", "naive", "softmax_top_k"]
+__all__ = ["check", "check_sigmoid", "naive", "sigmoid_bias_top_k", "sigmoid_naive", "softmax_top_k"]
 
 
 def check(logits: torch.Tensor, k: int, shared: torch.Tensor | None) -> None:
@@ -68,3 +79,59 @@ def naive(logits: torch.Tensor, k: int, shared: torch.Tensor | None = None) -> t
         return weights, chosen
     extra = torch.full((T, 1), N, dtype=torch.long, device=logits.device)
     return torch.cat([weights, torch.sigmoid(shared)], dim=1), torch.cat([chosen, extra], dim=1)
+
+
+def check_sigmoid(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int) -> None:
+    """Raise ValueError naming the first argument of sigmoid_bias_top_k that does not fit (no device reads)."""
+    if logits.dim() != 2 or not logits.dtype.is_floating_point:
+        raise ValueError(f"sigmoid_bias_top_k: logits must be a floating [T, N] tensor, got {list(logits.shape)} "
+                         f"{logits.dtype}")
+    N = logits.shape[1]
+    if tuple(bias.shape) != (N,) or bias.dtype != torch.float32 or bias.device != logits.device:
+        raise ValueError(f"sigmoid_bias_top_k: bias must be [{N}] float32 on {logits.device}, "
+                         f"got {list(bias.shape)} {bias.dtype} on {bias.device}")
+    if n_group < 1 or N % n_group or (n_group > 1 and N // n_group < 2):
+        raise ValueError(f"sigmoid_bias_top_k: n_group must divide N = {N} into groups of at least 2, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"sigmoid_bias_top_k: topk_group must be between 1 and n_group = {n_group}, "
+                         f"got {topk_group}")
+    if not 1 <= k <= N:
+        raise ValueError(f"sigmoid_bias_top_k: k must be between 1 and N = {N}, got {k}")
+
+
+def sigmoid_bias_top_k(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
+                       norm: bool = True, scale: float = 1.0, shared: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, N] (rows may be strided), bias [N] float32 -> (weights float32, chosen long) [T, k'] each, ids
+    ascending per row; `shared` adds the pair (N, 1.0) last (module docstring)."""
+    check_sigmoid(logits, bias, k, n_group, topk_group)
+    if use_triton(logits):
+        from tensorfold.kernels.moe import triton_routing
+        return triton_routing.sigmoid_bias_top_k(logits, bias, k, n_group, topk_group, norm, scale, shared)
+    return sigmoid_naive(logits, bias, k, n_group, topk_group, norm, scale, shared)
+
+
+def sigmoid_naive(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
+                  norm: bool = True, scale: float = 1.0, shared: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin in torch ops (the CPU path and the kernel's reference): stable descending sorts pick the groups
+    and the experts, lowest index first among equals."""
+    T, N = logits.shape
+    scores = torch.sigmoid(logits.float())                                  # [T, N] float32
+    biased = scores + bias
+    biased = torch.where(torch.isnan(biased), float("-inf"), biased)
+    if n_group > 1:
+        grouped = biased.reshape(T, n_group, N // n_group)                  # [T, G, N/G]
+        group_scores = grouped.sort(dim=-1, descending=True).values[..., :2].sum(-1)        # [T, G]
+        kept = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(N // n_group, dim=1), float("-inf"))
+    chosen = biased.sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(dim=-1).values
+    weights = scores.gather(1, chosen)                                      # [T, k] float32
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * scale
+    if not shared:
+        return weights, chosen
+    extra = torch.full((T, 1), N, dtype=torch.long, device=logits.device)
+    return torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1), torch.cat([chosen, extra], dim=1)

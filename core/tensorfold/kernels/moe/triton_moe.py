@@ -11,7 +11,11 @@
                                                  (with a limit, g and u clamped first, each rounded again)
                                                  (relu2: h = round(relu(u)²), u = x[token] @ gate_up[e]ᵀ, no gate)
     down kernel, program (block b, E block)      c[pair] = round(round(h @ down[e]ᵀ) · weight[pair])
+                                                 (float32_sum: c[pair] = round(h @ down[e]ᵀ), unweighted)
     sum kernel, program (row t, E block)         out[t] = Σ_j c[t·k + j], j in order, rounded after each add
+                                                 (float32_sum: Σ_j c · weight in float32, j in order, rounded
+                                                 once; shared_last: the row's last pair, round(c · weight),
+                                                 added after that rounding and the sum rounded again)
 
 Every size the launches see is a static bound of T, k, N and the config: P + min(N, P)·(BLOCK_M − 1) padded
 rows at most, so `cdiv(that, BLOCK_M)` blocks, of which those past the used rows find expert N and return. No
@@ -26,7 +30,8 @@ tiles, for a step's one row per stream) and "prefill" (a prefill chunk's rows: 1
 tiles, for thousands of rows sharing each expert); a row's bits may differ between the kinds. Float32 dots run in
 IEEE float32 (no TF32); bfloat16 dots accumulate in float32. Each intermediate is rounded to x's dtype where the
 reference's torch ops round; bfloat16 rounding is done on the bits (nearest even) because triton's interpreter
-truncates on `.to(tl.bfloat16)`.
+truncates on `.to(tl.bfloat16)`. The sum kernel compiles without fp fusion: float32_sum's products and sums
+round as the reference's torch ops do.
 """
 
 from __future__ import annotations
@@ -138,8 +143,10 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K
 @triton.jit(do_not_specialize=["P"])
 def _down_kernel(h_ptr, w_ptr, weight_ptr, c_ptr, row_pair_ptr, block_expert_ptr, P, N,
                  s_hm, s_we, s_wn, s_wk, s_cp, E: tl.constexpr, F: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """c[pair, n] = round(round(h @ down[e]ᵀ) · weight[pair]) for one expert block and E block."""
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 WEIGH: tl.constexpr):
+    """c[pair, n] = round(round(h @ down[e]ᵀ) · weight[pair]) for one expert block and E block (WEIGH false:
+    round(h @ down[e]ᵀ), the weight left to the sum)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= N:
@@ -160,24 +167,47 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, c_ptr, row_pair_ptr, block_expert_ptr
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     ty = c_ptr.dtype.element_ty
-    weight = tl.load(weight_ptr + pair, mask=ok, other=0.0).to(tl.float32)
-    c = round_to(round_to(acc, ty) * weight[:, None], ty)
+    if WEIGH:
+        weight = tl.load(weight_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+        c = round_to(round_to(acc, ty) * weight[:, None], ty)
+    else:
+        c = round_to(acc, ty)
     tl.store(c_ptr + pair[:, None].to(tl.int64) * s_cp + n[None, :], c, mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _sum_kernel(c_ptr, expert_ptr, out_ptr, N, s_cp, s_ot, E: tl.constexpr, K_TOP: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = Σ_j c[t·k + j] in j order, rounded to out's dtype after each add (pairs of invalid experts skip)."""
+def _weighted(c_ptr, expert_ptr, weight_ptr, pair, cols, col_ok, N, s_cp):
+    """Pair `pair`'s c · weight in float32 over `cols` (0 where its expert is invalid)."""
+    expert = tl.load(expert_ptr + pair)
+    c = tl.load(c_ptr + pair * s_cp + cols, mask=col_ok & (expert < N), other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + pair).to(tl.float32)
+    return tl.where(expert < N, c * weight, 0.0)
+
+
+@triton.jit
+def _sum_kernel(c_ptr, expert_ptr, weight_ptr, out_ptr, N, s_cp, s_ot, E: tl.constexpr, K_TOP: tl.constexpr,
+                BLOCK: tl.constexpr, F32_SUM: tl.constexpr, LAST_APART: tl.constexpr):
+    """out[t] = Σ_j c[t·k + j] in j order, rounded to out's dtype after each add (pairs of invalid experts skip).
+    F32_SUM: Σ_j c · weight in float32, rounded once; LAST_APART (1): the row's last pair left out of that sum,
+    then added as round(c · weight) and the sum rounded again."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < E
     ty = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(K_TOP):
+    for j in tl.static_range(K_TOP - LAST_APART):
         pair = t * K_TOP + j
-        expert = tl.load(expert_ptr + pair)
-        c = tl.load(c_ptr + pair * s_cp + cols, mask=col_ok & (expert < N), other=0.0).to(tl.float32)
-        acc = round_to(acc + c, ty)
+        if F32_SUM:
+            acc = acc + _weighted(c_ptr, expert_ptr, weight_ptr, pair, cols, col_ok, N, s_cp)
+        else:
+            expert = tl.load(expert_ptr + pair)
+            c = tl.load(c_ptr + pair * s_cp + cols, mask=col_ok & (expert < N), other=0.0).to(tl.float32)
+            acc = round_to(acc + c, ty)
+    if F32_SUM:
+        acc = round_to(acc, ty)
+    if LAST_APART:
+        last = _weighted(c_ptr, expert_ptr, weight_ptr, t * K_TOP + K_TOP - 1, cols, col_ok, N, s_cp)
+        acc = round_to(acc + round_to(last, ty), ty)
     tl.store(out_ptr + t * s_ot + cols, acc, mask=col_ok)
 
 
@@ -227,10 +257,12 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
 
 def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
-                   config: Config | None = None, limit: float | None = None, ordered: bool = False) -> torch.Tensor:
+                   config: Config | None = None, limit: float | None = None, ordered: bool = False,
+                   float32_sum: bool = False, shared_last: bool = False) -> torch.Tensor:
     """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
     down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's; `limit` clamps the SwiGLU;
-    `ordered`: each row's ids ascending and in range (align)."""
+    `ordered`: each row's ids ascending and in range (align); `float32_sum`, `shared_last`: the sum's modes
+    (module docstring)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
@@ -258,8 +290,9 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         hidden, down, plan.weight, contrib, plan.row_pair, plan.block_expert, P, N,
         hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), contrib.stride(0), E=E, F=F,
         BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k_f, PRECISION=cfg.precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        WEIGH=not float32_sum, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _sum_kernel[(T, triton.cdiv(E, cfg.block_sum))](
-        contrib, plan.expert, out, N, contrib.stride(0), out.stride(0), E=E, K_TOP=k, BLOCK=cfg.block_sum,
-        num_warps=cfg.num_warps)
+        contrib, plan.expert, plan.weight, out, N, contrib.stride(0), out.stride(0), E=E, K_TOP=k,
+        BLOCK=cfg.block_sum, F32_SUM=float32_sum, LAST_APART=int(shared_last), num_warps=cfg.num_warps,
+        enable_fp_fusion=False)
     return out

@@ -1,12 +1,19 @@
-"""Triton softmax → top-k → renormalise, one program per row (routing.py says what it computes).
+"""Triton routing kernels, one program per row (routing.py says what they compute).
 
-    program (row t)   the row's N logits in one block, float32: max, e = exp(logit - max), p = e / Σe;
-                      k rounds of (largest remaining logit, lowest index among equals) mark the chosen;
-                      w = p / Σ_chosen p, rounded to the output dtype; then k rounds of (lowest chosen index)
-                      write the pairs in ascending id order; with SHARED, (N, round(sigmoid(s))) last
+    softmax_top_k (row t)       the row's N logits in one block, float32: max, e = exp(logit - max), p = e / Σe;
+                                k rounds of (largest remaining logit, lowest index among equals) mark the chosen;
+                                w = p / Σ_chosen p, rounded to the output dtype; then k rounds of (lowest chosen
+                                index) write the pairs in ascending id order; with SHARED, (N, round(sigmoid(s)))
+    sigmoid_bias_top_k (row t)  the row's logits as a [groups, group size] block, float32: s = sigmoid(logit),
+                                b = s + bias; with GROUPED, each group's best and second best b (the best's lowest
+                                index taken out) summed, and topk_group rounds of (largest group sum, lowest group)
+                                keep groups, the rest's b set to -inf; k rounds of (largest b, lowest index) mark
+                                the chosen; w = s / (Σ_chosen s + 1e-20) (with NORM) · scale; the pairs written in
+                                ascending id order; with SHARED, (N, 1.0) last
 
-A row reads only its own logits and the config (block size, warps) is a function of N alone, so a row's bits are
-the same in any batch; one launch, no host sync, nothing sized by data (CUDA-graph capturable).
+A row reads only its own logits and the config (block sizes, warps) is a function of N and the group count alone,
+so a row's bits are the same in any batch; one launch, no host sync, nothing sized by data (CUDA-graph
+capturable). The sigmoid kernel compiles without fp fusion, so each product and sum rounds as torch's do.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels.triton_ieee import INTERPRETED, div, sigmoid
 from tensorfold.kernels.triton_rounding import round_to
 
 
@@ -61,4 +69,70 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
         _route_kernel[(T,)](logits, gate, weights, chosen, N, logits.stride(0), gate.stride(0), weights.stride(0),
                             chosen.stride(0), K=k, BLOCK_N=block, SHARED=shared is not None,
                             num_warps=1 if block <= 1024 else 4)
+    return weights, chosen
+
+
+@triton.jit(do_not_specialize=["N"])
+def _sigmoid_route_kernel(logit_ptr, bias_ptr, weight_ptr, chosen_ptr, N, S, s_lt, s_wt, s_ct, scale,
+                          K: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_S: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
+                          LIBDEVICE: tl.constexpr):
+    """weights[t], chosen[t] from logits[t]: expert g·S + s at [g, s] of the block (S experts a group)."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    s = tl.arange(0, BLOCK_S)[None, :]
+    valid = (g < GROUPS) & (s < S)
+    col = tl.where(valid, g * S + s, N)                                     # [BG, BS] the expert id, N: padding
+    logit = tl.load(logit_ptr + t * s_lt + col, mask=valid, other=0.0).to(tl.float32)
+    score = sigmoid(logit, LIBDEVICE)
+    biased = score + tl.load(bias_ptr + col, mask=valid, other=0.0)
+    key = tl.where(valid & (biased == biased), biased, float("-inf"))     # padding and NaN: -inf
+    if GROUPS > 1:
+        best = tl.max(key, 1)                                               # [BG] each group's best
+        first = tl.min(tl.where(valid & (key == best[:, None]), s, BLOCK_S), 1)
+        second = tl.max(tl.where(s == first[:, None], float("-inf"), key), 1)
+        g1 = tl.arange(0, BLOCK_G)
+        group_score = tl.where(g1 < GROUPS, best + second, float("-inf"))
+        kept = g1 < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(tl.where(kept, float("-inf"), group_score), 0)
+            lowest = tl.min(tl.where((g1 < GROUPS) & (kept == 0) & (group_score == top), g1, BLOCK_G), 0)
+            kept = kept | (g1 == lowest)
+        key = tl.where(kept[:, None], key, float("-inf"))
+    taken = col < 0
+    for _ in tl.static_range(K):
+        top = tl.max(tl.max(tl.where(taken, float("-inf"), key), 1), 0)
+        lowest = tl.min(tl.min(tl.where(valid & (taken == 0) & (key == top), col, N), 1), 0)
+        taken = taken | (col == lowest)
+    w = score
+    if NORM:
+        w = div(score, tl.sum(tl.sum(tl.where(taken, score, 0.0), 1), 0) + 1e-20)
+    w = w * scale
+    for j in tl.static_range(K):
+        lowest = tl.min(tl.min(tl.where(taken, col, N), 1), 0)
+        tl.store(chosen_ptr + t * s_ct + j, lowest.to(tl.int64))
+        tl.store(weight_ptr + t * s_wt + j, tl.sum(tl.sum(tl.where(col == lowest, w, 0.0), 1), 0))
+        taken = taken & (col != lowest)
+    if SHARED:
+        tl.store(chosen_ptr + t * s_ct + K, N.to(tl.int64))
+        tl.store(weight_ptr + t * s_wt + K, 1.0)
+
+
+def sigmoid_bias_top_k(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
+                       norm: bool = True, scale: float = 1.0, shared: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: logits [T, N], bias [N] float32 -> (weights [T, k'] float32, chosen [T, k'] long), k' = k + shared."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    T, N = logits.shape
+    width = k + int(shared)
+    weights = torch.empty((T, width), dtype=torch.float32, device=logits.device)
+    chosen = torch.empty((T, width), dtype=torch.long, device=logits.device)
+    if T:
+        size = N // n_group
+        block_g, block_s = triton.next_power_of_2(n_group), triton.next_power_of_2(size)
+        _sigmoid_route_kernel[(T,)](logits, bias.contiguous(), weights, chosen, N, size, logits.stride(0),
+                                    weights.stride(0), chosen.stride(0), float(scale), K=k, GROUPS=n_group,
+                                    TOPK_GROUP=topk_group, BLOCK_G=block_g, BLOCK_S=block_s, NORM=norm,
+                                    SHARED=shared, LIBDEVICE=not INTERPRETED,
+                                    num_warps=1 if block_g * block_s <= 1024 else 4, enable_fp_fusion=False)
     return weights, chosen
