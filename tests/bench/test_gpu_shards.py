@@ -1,4 +1,4 @@
-"""bench/gpu_tests.sh runs only the paths its shards file names: a GPU test file left out would never run on a device."""
+"""bench/gpu_tests.sh runs only the paths its shards file names: a GPU test file left out never runs on a device."""
 
 from __future__ import annotations
 
