@@ -35,7 +35,7 @@ from pathlib import Path
 
 import gpu  # bench/gpu.py: python puts the script's directory (bench/) first on sys.path
 import torch
-from gpu import SHAPES, build, hf_decode, our_decode, sync
+from gpu import SHAPES, hf_decode, hf_model, our_decode, ours_in_place_of, sync
 
 from tensorfold.engine.api import ErrorEvent, Request, Sampling, TokenEvent
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes
@@ -161,7 +161,14 @@ def main() -> None:
     graphs = not args.no_graphs
     torch.manual_seed(0)
     began = time.perf_counter()
-    hf, ours, layout, params, _ = build(args.shape, DTYPES[args.dtype])
+    hf, config = hf_model(args.shape, DTYPES[args.dtype])
+    params = sum(p.numel() for p in hf.parameters())
+    hf_tok_s: dict[int, float] = {}
+    if "hf" in args.paths and args.hf_steps > 0:        # HF first: ours then takes its tensors (ours_in_place_of)
+        with torch.inference_mode():
+            hf_tok_s = {n: n / hf_decode(hf, n, args.prompt, args.hf_steps) for n in args.streams}
+    ours, layout = ours_in_place_of(hf, config, args.shape, DTYPES[args.dtype])
+    del hf
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     emit(args.out, bench="engine_setup", shape=args.shape, device=device, dtype=args.dtype, params=params,
          streams=args.streams, prompt=args.prompt, new=args.new, context=args.context, graphs=graphs,
@@ -200,10 +207,9 @@ def main() -> None:
                      ttft_max_ms=r(run["ttft_max_ms"], 2), wall_s=r(run["wall_s"], 3),
                      decode_tokens_counted=run["decode_tokens_counted"], graph_replays=run["replays"],
                      steps_ahead=run["ahead"])
-            if "hf" in args.paths and args.hf_steps > 0:
-                seconds = hf_decode(hf, streams, args.prompt, args.hf_steps)
-                got["hf"] = streams / seconds
-                emit(args.out, **base, path="hf", streams=streams, tok_s=r(streams / seconds), steps=args.hf_steps)
+            if streams in hf_tok_s:
+                got["hf"] = hf_tok_s[streams]
+                emit(args.out, **base, path="hf", streams=streams, tok_s=r(got["hf"]), steps=args.hf_steps)
             runner, engine, hf_s, sync_s = got["runner"], got["engine"], got["hf"], got["engine_sync"]
             emit(args.out, bench="engine_ratio", shape=args.shape, streams=streams, runner_tok_s=r(runner),
                  engine_tok_s=r(engine), engine_sync_tok_s=r(sync_s), hf_tok_s=r(hf_s),
