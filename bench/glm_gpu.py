@@ -39,8 +39,9 @@ SMALL = {"hidden_size": 256, "vocab_size": 1024, "linear_num_heads": 4, "linear_
          "index_head_dim": 32, "index_topk": 64, "moe_intermediate_size": 64, "intermediate_size": 256}
 
 
-def build(layers: int, experts: int, dtype: torch.dtype, small: bool = False):
-    """HF's Glm5NextForConditionalGeneration with random weights on the device, and ours on the same tensors."""
+def hf_glm(layers: int, experts: int, dtype: torch.dtype, small: bool = False):
+    """HF's Glm5NextForConditionalGeneration with random weights (redrawn) on the device, its config and text
+    config."""
     import transformers
 
     text = transformers.Glm5NextTextConfig(num_hidden_layers=layers, n_routed_experts=experts, pad_token_id=0,
@@ -54,6 +55,12 @@ def build(layers: int, experts: int, dtype: torch.dtype, small: bool = False):
     finally:
         torch.set_default_dtype(default)
     redraw(hf)
+    return hf, config, text
+
+
+def build(layers: int, experts: int, dtype: torch.dtype, small: bool = False):
+    """HF's Glm5NextForConditionalGeneration with random weights on the device, and ours on the same tensors."""
+    hf, config, text = hf_glm(layers, experts, dtype, small)
     family = load_families(["glm"])["glm"]
     config_dict = config.to_dict()
     state = {name: tensor for name, tensor in hf.state_dict().items() if ".visual." not in name}

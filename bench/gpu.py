@@ -90,8 +90,13 @@ def emit(out: Path | None, jsonl: str = "gpu.jsonl", **record: object) -> None:
             handle.write(line + "\n")
 
 
+def on_cuda() -> bool:
+    """Whether DEVICE is a CUDA device ("cuda", or "cuda:N" for one rank of a tensor-parallel world)."""
+    return torch.device(DEVICE).type == "cuda"
+
+
 def sync() -> None:
-    if DEVICE == "cuda":
+    if on_cuda():
         torch.cuda.synchronize()
 
 
@@ -167,7 +172,7 @@ def ours_in_place_of(hf, config, shape: str, dtype: torch.dtype):
     gc.collect()
     ours, layout = load_ours(shape, config, state, dtype, consume=True)
     gc.collect()
-    if DEVICE == "cuda":
+    if on_cuda():
         torch.cuda.empty_cache()
     return ours, layout
 
