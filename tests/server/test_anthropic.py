@@ -124,7 +124,7 @@ def test_a_stream_is_anthropics_event_sequence_and_ends_as_create_does(plain, mo
 
 
 def test_the_raw_stream_names_each_event(cached_url, model):
-    body = {"model": model, "max_tokens": 4, "messages": ASK, "stream": True, "temperature": 0}   # greedy: no EOS by chance
+    body = {"model": model, "max_tokens": 4, "messages": ASK, "stream": True, "temperature": 0}   # no EOS by chance
     headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
     with httpx.stream("POST", f"{cached_url}/v1/messages", json=body, headers=headers, timeout=60) as reply:
         assert reply.status_code == 200
