@@ -3,7 +3,7 @@
 #   ab       bench/ab_prefill.py: the 9B prefill of the trees in AB ("name=tarball ... name=." for this tree;
 #            default: BASE, a tarball of an earlier commit, then this tree), alternated in one process (AB_ROWS;
 #            AB_ARGS="--moe --layers 16": the 35B-A3B shape cut to 16 layers, so two trees fit)
-#   gpu      bench/gpu.py: prefill (PREFILL rows) and batch-1 decode, ours vs HF, at SHAPE
+#   gpu      bench/gpu.py: prefill (PREFILL rows) and batch-1 decode, ours vs HF, at SHAPE (GPU_ARGS: more flags)
 #   glm      bench/glm_gpu.py: GLM's decode at GLM_BATCHES streams (through the decode runner when GLM has one)
 #            and prefill, ours vs HF (only when PHASES names it)
 #   profile  bench/profile_decode.py --prefill: where our prefill's GPU time goes (and HF's, with PROFILE_HF=1)
@@ -44,7 +44,7 @@ if [[ $PHASES == *" ab "* ]]; then
 fi
 if [[ $PHASES == *" gpu "* ]]; then
   run gpu "${GPU_SECONDS:-150}" python3 bench/gpu.py --shape "${SHAPE:-qwen3_5-9b}" --batches 1 \
-    --prefill ${PREFILL:-2048 8192 32768} --no-eager --out "$OUT"
+    --prefill ${PREFILL:-2048 8192 32768} --no-eager --out "$OUT" ${GPU_ARGS:-}   # GPU_ARGS: "--chunk 8192 --batches 1 64"
 fi
 if [[ $PHASES == *" glm "* ]]; then
   run glm "${GLM_SECONDS:-240}" python3 bench/glm_gpu.py --batches ${GLM_BATCHES:-1 64} --out "$OUT"
