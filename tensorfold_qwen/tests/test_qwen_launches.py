@@ -19,11 +19,11 @@ from types import ModuleType
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
+from tensorfold.testing.launches import Launches, counting_triton
 from tensorfold_qwen import batched, decode, mlp, plugin
 from tensorfold_qwen.fused import can_fold, fuse_moe
 from tensorfold_qwen.gdn import GdnWeights
@@ -36,35 +36,17 @@ KERNELS: dict[ModuleType, tuple[str, ...]] = {
              "paged_decode", "row_ids", "write_rows", "apply_rope", "silu_mul", "sigmoid_mul"),
     mlp: ("routed_experts",),
 }
-FREE = {"empty", "empty_like", "empty_strided", "new_empty", "_unsafe_view"}   # allocations and metadata only
 
 
-class Launches(TorchDispatchMode):
-    """Counts the aten ops that compute, by name, and kernel entry calls as "kernel:<name>"."""
+def opaque(mode: Launches, name: str, kernel: Callable) -> Callable:
+    """`kernel` counted as one launch, its own ops not counted."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.inside = 0
+    def counted(*args, **kwargs):
+        mode.ops[f"kernel:{name}"] += 1
+        with mode.uncounted():
+            return kernel(*args, **kwargs)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not self.inside and not func.is_view and name not in FREE:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def opaque(self, name: str, kernel: Callable) -> Callable:
-        """`kernel` counted as one launch, its own ops not counted."""
-
-        def counted(*args, **kwargs):
-            self.ops[f"kernel:{name}"] += 1
-            self.inside += 1
-            try:
-                return kernel(*args, **kwargs)
-            finally:
-                self.inside -= 1
-
-        return counted
+    return counted
 
 
 @contextmanager
@@ -72,7 +54,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
     mode = Launches()
     for module, names in KERNELS.items():
         for name in names:
-            monkeypatch.setattr(module, name, mode.opaque(name, getattr(module, name)))
+            monkeypatch.setattr(module, name, opaque(mode, name, getattr(module, name)))
     with torch.no_grad(), mode:
         yield mode
 
@@ -134,47 +116,27 @@ def test_a_gdn_layer_over_prefill_chunks_and_a_decode_row(subject, monkeypatch):
 
 # ---- a MoE layer's feed-forward on the Triton path ----------------------------------------------------------
 
-class KernelStub:
-    """A Triton kernel that counts its launches as "triton:<name>" and runs nothing; the routing kernel's stub
-    writes the torch twin's pairs (uncounted), since the grouping after it indexes by them."""
+def route_stand_in(logits, gate, weights, chosen, N, *args, K, SHARED, **meta) -> None:
+    """The routing kernel's pairs from its torch twin: the grouping after it indexes by them."""
+    from tensorfold.kernels.moe import routing
 
-    def __init__(self, mode: Launches, name: str) -> None:
-        self.mode, self.name = mode, name
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.mode.ops[f"triton:{self.name}"] += 1
-            if self.name == "_route_kernel":
-                from tensorfold.kernels.moe import routing
-                logits, gate, weights, chosen, N = args[:5]
-                self.mode.inside += 1
-                try:
-                    pairs = routing.naive(logits[:, :N], kwargs["K"], gate if kwargs["SHARED"] else None)
-                    weights.copy_(pairs[0])
-                    chosen.copy_(pairs[1])
-                finally:
-                    self.mode.inside -= 1
-
-        return launch
+    pairs = routing.naive(logits[:, :N], K, gate if SHARED else None)
+    weights.copy_(pairs[0])
+    chosen.copy_(pairs[1])
 
 
 @contextmanager
-def counting_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
-    """The Triton path forced on CPU tensors, every Triton kernel a KernelStub, aten ops counted."""
+def counting_moe(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
+    """The Triton path forced on CPU tensors, every Triton kernel a stub, aten ops counted."""
     import tensorfold.kernels.moe as moe_package
     import tensorfold.kernels.silu_gate as gate_package
     from tensorfold.kernels.moe import routing, triton_moe, triton_routing
     from tensorfold.kernels.silu_gate import triton_gate
 
-    mode = Launches()
     kernels = {triton_moe: ("_gate_up_kernel", "_down_kernel", "_sum_kernel"), triton_routing: ("_route_kernel",),
                triton_gate: ("_silu_mul_kernel", "_sigmoid_mul_kernel")}
-    for module, names in kernels.items():
-        for name in names:
-            monkeypatch.setattr(module, name, KernelStub(mode, name))
-    for module in (mlp, moe_package, routing, gate_package):
-        monkeypatch.setattr(module, "use_triton", lambda tensor: True)
-    with torch.no_grad(), mode:
+    with counting_triton(monkeypatch, kernels, (mlp, moe_package, routing, gate_package),
+                         {"_route_kernel": route_stand_in}) as mode:
         yield mode
 
 
@@ -196,9 +158,9 @@ def moe_ffn_ops(monkeypatch, shared_f: int, top_k: int, T: int, kind: str) -> Co
     captured after warm-up calls; the one-block-per-pair row map is made once per shape and kept)."""
     w = moe_layer(shared_f, top_k)
     x = torch.randn(T, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
-    with monkeypatch.context() as mp, counting_triton(mp):
+    with monkeypatch.context() as mp, counting_moe(mp):
         mlp.moe_routed(w, x, kind)
-    with monkeypatch.context() as mp, counting_triton(mp) as mode:
+    with monkeypatch.context() as mp, counting_moe(mp) as mode:
         mlp.moe_routed(w, x, kind)
     return mode.ops
 

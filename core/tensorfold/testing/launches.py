@@ -4,7 +4,7 @@ a layer's launch count without a GPU.
 Counted: aten ops that compute (views and bare allocations are not), each one launch on CUDA, and Triton kernels,
 each replaced by a `KernelStub` that counts one launch as "triton:<name>" and runs nothing, or a stand-in (`effect`)
 that writes what later ops read (a routing kernel's pairs, which the grouping after it indexes by); the stand-in's
-own ops are not counted. tensorfold_qwen/tests/test_qwen_launches.py counts the same way.
+own ops are not counted. The families' launch tests (test_qwen_launches.py, test_glm_launches.py) count with it.
 """
 
 from __future__ import annotations
