@@ -51,6 +51,7 @@ from tensorfold.follow.rank import rank_layout
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.shard import SINGLE, Shard, TensorParallel
+from tensorfold.testing.cuda_graphs import captured
 from tensorfold.testing.tp_world import free_port
 
 GLM_SHAPES = {"glm5_next-8l-64e": (8, 64, False), "glm5_next-tiny": (4, 8, True)}   # layers, experts, small
@@ -210,15 +211,7 @@ def reduce_seconds(shard: Shard, calls: list[tuple[tuple[int, ...], torch.dtype]
 
     once = run
     if graphs:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        once = graph.replay
+        once = captured(run)[0].replay
     once()
     return timed(lambda: [once() for _ in range(steps)], repeats=3) / steps
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
+from tensorfold.testing.cuda_graphs import captured, without_host_sync
 from tensorfold_glm import load as loader
 from tensorfold_glm import mlp, plugin
 from tensorfold_glm.fused import can_fold, fuse_moe
@@ -211,20 +212,8 @@ def test_gpu_fused_path(dtype, shared_f):
                 torch.testing.assert_close(alone, got[t], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     static = rows(8, dtype, seed=30, device="cuda")
     fused_call(w, static, routing, "decode")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_call(w, static, routing, "decode")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fused_call(w, static, routing, "decode")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_call(w, static, routing, "decode")
+    without_host_sync(lambda: fused_call(w, static, routing, "decode"))
+    graph, out = captured(lambda: fused_call(w, static, routing, "decode"))
     for seed in (31, 32):
         static.copy_(rows(8, dtype, seed=seed, device="cuda"))
         graph.replay()

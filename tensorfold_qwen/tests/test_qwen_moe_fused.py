@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
+from tensorfold.testing.cuda_graphs import captured, without_host_sync
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_qwen import load as loader
 from tensorfold_qwen import mlp, plugin
@@ -217,20 +218,8 @@ def test_gpu_fused_path(dtype, shared_f):
                 torch.testing.assert_close(alone, got[t], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     static = rows(8, dtype, seed=30, device="cuda")
     mlp.moe_routed(fused, static)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        mlp.moe_routed(fused, static)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        mlp.moe_routed(fused, static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mlp.moe_routed(fused, static)
+    without_host_sync(lambda: mlp.moe_routed(fused, static))
+    graph, out = captured(lambda: mlp.moe_routed(fused, static))
     for seed in (31, 32):
         static.copy_(rows(8, dtype, seed=seed, device="cuda"))
         graph.replay()

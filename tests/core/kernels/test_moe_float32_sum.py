@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from test_moe import LIMIT, TOLERANCE, HostSync, case, no_host_sync, on
 
 from tensorfold.kernels.moe import naive, routed_experts
+from tensorfold.testing.cuda_graphs import captured, without_host_sync
 
 CUDA = torch.cuda.is_available()
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -185,20 +186,8 @@ def test_gpu_float32_sum_at_glm_shapes(dtype):
     x, chosen, weights = rows(8, seed=30)
     call = lambda: routed_experts(x, chosen, weights, gate_up, down, **modes)  # noqa: E731
     call()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    without_host_sync(call)
+    graph, out = captured(call)
     for seed in (31, 32):
         new = rows(8, seed=seed)
         for static, value in zip((x, chosen, weights), new, strict=True):

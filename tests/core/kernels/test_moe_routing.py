@@ -17,6 +17,7 @@ from test_moe import HostSync, no_host_sync
 
 from tensorfold.kernels.moe import naive as naive_experts
 from tensorfold.kernels.moe import routed_experts, routing, softmax_top_k
+from tensorfold.testing.cuda_graphs import captured, without_host_sync
 
 CUDA = torch.cuda.is_available()
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -250,20 +251,9 @@ def test_gpu_routing_at_the_35b_shape(dtype):
         assert_weights_close(weights[rows, :k], expected_weights[rows], rtol)
     static = logits_of(8, N + 1, dtype, seed=20).cuda()
     triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])                 # compile first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])
+    call = lambda: triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])  # noqa: E731
+    without_host_sync(call)
+    graph, out = captured(call)
     for seed in (21, 22):
         static.copy_(logits_of(8, N + 1, dtype, seed=seed).cuda())
         graph.replay()

@@ -18,6 +18,7 @@ from test_moe import HostSync, no_host_sync
 
 from tensorfold.kernels.moe import naive as naive_experts
 from tensorfold.kernels.moe import routing, sigmoid_bias_top_k
+from tensorfold.testing.cuda_graphs import captured, without_host_sync
 
 CUDA = torch.cuda.is_available()
 RTOL = 2**-20
@@ -257,20 +258,8 @@ def test_gpu_routing_at_glm_shapes(N, k, n_group, topk_group):
     static, bias = (t.cuda() for t in case(8, N, seed=20))
     call = lambda: triton_routing.sigmoid_bias_top_k(static, bias, k, n_group, topk_group, True, SCALE, True)  # noqa: E731
     call()                                                                  # compile first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    without_host_sync(call)
+    graph, out = captured(call)
     for seed in (21, 22):
         static.copy_(case(8, N, seed=seed)[0].cuda())
         graph.replay()
