@@ -35,7 +35,7 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -47,10 +47,10 @@ from gpu import SHAPES, TensorsCheckpoint, emit, hf_model, our_decode, our_prefi
 
 from tensorfold.engine.graphs import DecodeRunner, has_decode
 from tensorfold.follow.channel import backend_for, join, leave
-from tensorfold.follow.rank import rank_layout
+from tensorfold.follow.rank import load_rank
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
-from tensorfold.shard import SINGLE, Shard, TensorParallel
+from tensorfold.shard import SINGLE, Shard
 from tensorfold.testing.cuda_graphs import captured
 from tensorfold.testing.tp_world import free_port
 
@@ -58,29 +58,6 @@ GLM_SHAPES = {"glm5_next-8l-64e": (8, 64, False), "glm5_next-tiny": (4, 8, True)
 JSONL = "tp.jsonl"
 SEED = 0
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class ShardedTensors(TensorsCheckpoint):
-    """HF's tensors in memory as one rank reads them: each cut by the family's TensorParallel rules (the in-memory
-    counterpart of follow/sharded.py's ShardedCheckpoint)."""
-
-    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], parallel: TensorParallel | None,
-                 shard: Shard) -> None:
-        super().__init__(config, tensors, consume=True)
-        self.parallel = parallel
-        self.shard = shard
-
-    def _part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if self.shard.world == 1:
-            return tensor
-        return self.parallel.part(name, tensor, self.shard.rank, self.shard.world)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._part(name, super().tensor(name))
-
-    def tensors(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in super().tensors(progress):
-            yield name, self._part(name, tensor)
 
 
 class Recording:
@@ -252,11 +229,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None
     if world > 1:
         marks = [None] * world
         dist.all_gather_object(marks, mark)
-    checkpoint = ShardedTensors(config, state, family.tensor_parallel(config) if world > 1 else None, shard)
+    ours, layout = load_rank(family, TensorsCheckpoint(config, state, consume=True), dtype, device, shard)
     del state
-    ours = family.load(checkpoint, dtype, device, shard)
-    layout = rank_layout(family, checkpoint, dtype, world)
-    del checkpoint
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

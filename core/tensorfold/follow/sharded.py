@@ -12,20 +12,25 @@ from tensorfold.shard import Shard, TensorParallel
 
 
 class ShardedCheckpoint(Checkpoint):
-    """The same directory, config and names; `tensor` and `tensors` give this rank's slice of each tensor."""
+    """The same config and names; `tensor` and `tensors` give this rank's slice of each of the base's tensors (the base
+    a directory's Checkpoint, or any reader with its `config`, `names`, `tensor` and `tensors`)."""
 
     def __init__(self, base: Checkpoint, parallel: TensorParallel, shard: Shard) -> None:
         self.__dict__.update(base.__dict__)
+        self.base = base
         self.parallel = parallel
         self.shard = shard
 
+    def names(self) -> list[str]:
+        return self.base.names()
+
     def tensor(self, name: str) -> torch.Tensor:
         """This rank's slice of one tensor."""
-        return self.parallel.part(name, super().tensor(name), self.shard.rank, self.shard.world)
+        return self.parallel.part(name, self.base.tensor(name), self.shard.rank, self.shard.world)
 
     def tensors(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's slice of every tensor, shard by shard."""
-        for name, tensor in super().tensors(progress):
+        """This rank's slice of every tensor, in the base's order."""
+        for name, tensor in self.base.tensors(progress):
             yield name, self.parallel.part(name, tensor, self.shard.rank, self.shard.world)
 
     def elements(self, name: str, shape: tuple[int, ...]) -> int:
