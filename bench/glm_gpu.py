@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--batches", type=int, nargs="+", default=[1], help="decode streams (ours and HF at each)")
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, nargs="+", default=[2048],
+                        help="prefill chunk rows: our prefill at each (decode prompts at the first)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--small", action="store_true", help="tiny widths: a CPU smoke run of this script")
     args = parse_args(parser)
@@ -176,7 +177,7 @@ def main() -> None:
             emit(args.out, jsonl="glm.jsonl", bench="check", shape=shape, **check(hf, ours, layout, 256))
         path = "decode runner" if has_decode(ours) else "forward"
         for batch in args.batches:
-            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk)
+            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk[0])
             record = {"bench": "decode", "shape": shape, "batch": batch, "prompt": args.prompt, "path": path,
                       "ours_tok_s": round(batch / ours_s, 1), "step_ms": round(ours_s * 1e3, 3)}
             if batch == 1:
@@ -187,15 +188,16 @@ def main() -> None:
                 record |= {"hf_tok_s": round(batch / hf_s, 1), "speedup": round(hf_s / ours_s, 2)}
             emit(args.out, jsonl="glm.jsonl", **record)
         for rows in args.prefill:
-            ours_s = our_prefill(ours, layout, rows, args.chunk)
             hf_s = None if args.no_hf else hf_prefill(hf, text.vocab_size, rows)
             flops = 2 * active * rows + attention_flops(text, rows)
-            record = {"bench": "prefill", "shape": shape, "rows": rows, "ours_tok_s": round(rows / ours_s, 1),
-                      "ours_mfu": round(flops / ours_s / peak, 3)}
-            if hf_s is not None:
-                record |= {"hf_tok_s": round(rows / hf_s, 1), "hf_mfu": round(flops / hf_s / peak, 3),
-                           "speedup": round(hf_s / ours_s, 2)}
-            emit(args.out, jsonl="glm.jsonl", **record)
+            for chunk in args.chunk:
+                ours_s = our_prefill(ours, layout, rows, chunk)
+                record = {"bench": "prefill", "shape": shape, "rows": rows, "chunk": chunk,
+                          "ours_tok_s": round(rows / ours_s, 1), "ours_mfu": round(flops / ours_s / peak, 3)}
+                if hf_s is not None:
+                    record |= {"hf_tok_s": round(rows / hf_s, 1), "hf_mfu": round(flops / hf_s / peak, 3),
+                               "speedup": round(hf_s / ours_s, 2)}
+                emit(args.out, jsonl="glm.jsonl", **record)
     peak_bytes = torch.cuda.max_memory_allocated() if gpu.DEVICE == "cuda" else None
     emit(args.out, jsonl="glm.jsonl", bench="memory", shape=shape, peak_gpu_bytes=peak_bytes)
 

@@ -277,7 +277,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, nargs="+", default=[2048],
+                        help="prefill chunk rows: our prefill at each (decode prompts at the first)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode measurement")
     parser.add_argument("--device", default="cuda")
@@ -303,9 +304,9 @@ def main() -> None:
          layout_fixed_bytes=layout.fixed_bytes)
     with torch.inference_mode():
         for batch in args.batches:
-            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk, graphs=True)
+            ours_s = our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk[0], graphs=True)
             eager_s = None if args.no_eager else our_decode(ours, layout, batch, args.prompt, args.steps,
-                                                            args.chunk, graphs=False)
+                                                            args.chunk[0], graphs=False)
             hf_s = hf_decode_s.get(batch)
             record = {"bench": "decode", "shape": args.shape, "batch": batch, "ours_tok_s": round(batch / ours_s, 1),
                       "ours_eager_tok_s": None if eager_s is None else round(batch / eager_s, 1),
@@ -318,15 +319,16 @@ def main() -> None:
                 record["step_ms"] = round(ours_s * 1e3, 3)
             emit(args.out, **record)
         for rows in args.prefill:
-            ours_s = our_prefill(ours, layout, rows, args.chunk)
             hf_s = hf_prefill_s.get(rows)
             flops = prefill_flops(read // 2, config, rows)
-            record = {"bench": "prefill", "shape": args.shape, "rows": rows, "ours_tok_s": round(rows / ours_s, 1),
-                      "ours_mfu": round(flops / ours_s / peak, 3)}
-            if hf_s is not None:
-                record |= {"hf_tok_s": round(rows / hf_s, 1), "hf_mfu": round(flops / hf_s / peak, 3),
-                           "speedup": round(hf_s / ours_s, 2)}
-            emit(args.out, **record)
+            for chunk in args.chunk:
+                ours_s = our_prefill(ours, layout, rows, chunk)
+                record = {"bench": "prefill", "shape": args.shape, "rows": rows, "chunk": chunk,
+                          "ours_tok_s": round(rows / ours_s, 1), "ours_mfu": round(flops / ours_s / peak, 3)}
+                if hf_s is not None:
+                    record |= {"hf_tok_s": round(rows / hf_s, 1), "hf_mfu": round(flops / hf_s / peak, 3),
+                               "speedup": round(hf_s / ours_s, 2)}
+                emit(args.out, **record)
     store = our_store(layout, 1, 4096)
     measured = store.page_bytes / store.page_rows
     peak_bytes = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else None

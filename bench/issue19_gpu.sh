@@ -6,7 +6,8 @@
 #   gpu      bench/gpu.py: prefill (PREFILL rows) and batch-1 decode, ours vs HF, at SHAPE (GPU_ARGS: more flags)
 #   glm      bench/glm_gpu.py: GLM's decode at GLM_BATCHES streams (through the decode runner when GLM has one)
 #            and prefill, ours vs HF (only when PHASES names it)
-#   profile  bench/profile_decode.py --prefill: where our prefill's GPU time goes (and HF's, with PROFILE_HF=1)
+#   profile  bench/profile_decode.py --prefill: where our prefill's GPU time goes (and HF's, with PROFILE_HF=1;
+#            PROFILE_ARGS: more flags)
 #   tests    pytest -m gpu (TESTS, all GPU tests unless set); KDA's records in $OUT/kda-gpu-tests.jsonl
 # JSON lines in $OUT/*.jsonl and $OUT/phases.jsonl; everything the phases print in $OUT/issue19.log.
 #
@@ -51,7 +52,7 @@ if [[ $PHASES == *" glm "* ]]; then
 fi
 if [[ $PHASES == *" profile "* ]]; then
   run profile "${PROFILE_SECONDS:-120}" python3 bench/profile_decode.py --shape "${SHAPE:-qwen3_5-9b}" \
-    --prefill "${ROWS:-8192}" ${PROFILE_HF:+--hf} --top 40 --out "$OUT"
+    --prefill "${ROWS:-8192}" ${PROFILE_HF:+--hf} --top 40 --out "$OUT" ${PROFILE_ARGS:-}   # PROFILE_ARGS: "--chunk 8192"
 fi
 if [[ $PHASES == *" tests "* ]]; then
   # shellcheck disable=SC2086

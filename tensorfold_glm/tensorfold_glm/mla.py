@@ -13,6 +13,15 @@ RMSNorm is weighted (w·x̂, x̂ in float32 then back to x's dtype) with rms_nor
 that selects no key (possible only without always_select_tail) outputs zeros, as HF's SDPA path does.
 The KvStore holds the normalised latent (row "latent"); a full indexer adds rows "pooled_key" and the fixed
 "pool_tail". This reference recomputes K and V from the latents every step.
+
+Two forms of the softmax attention, by device:
+- CPU (`attend`, the reference, HF eager's arithmetic): scores [H, t, S] by einsum in x's dtype, masked to the
+  selection, softmax in float32, probabilities cast back to x's dtype, einsum with v; query rows in blocks whose
+  float32 scores take at most SCORE_BYTES.
+- CUDA (core's `masked_attention` kernel): flash-style online softmax in float32 with the selection as its mask,
+  the scores never in memory; key blocks on the absolute grid, so a row's bits depend on its q, its selection and
+  its keys only, not on the chunk it sits in (resumed == fresh holds). Its bits differ from the einsum form's,
+  which the family's identity fact `mla_attention` says.
 Shapes in comments: T rows of this step, S = end keys, E hidden, H heads, R kv_lora_rank.
 """
 
@@ -22,10 +31,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.backend import use_triton
+from tensorfold.kernels.masked_attention import masked_attention
 from tensorfold.kv import KvStore
 from tensorfold_glm import indexer as dsa
 
-SCORE_BYTES = 256 << 20     # float32 scores one block of query rows may take: long prompts attend in blocks
+SCORE_BYTES = 256 << 20     # float32 scores one block of query rows may take (CPU): long prompts attend in blocks
 
 
 @attrs.frozen
@@ -87,9 +98,18 @@ def mla_attention(w: MlaWeights, d: MlaDims, x: torch.Tensor, start: int, kv: Kv
     if selection.shape != (T, end):
         raise ValueError(f"layer {layer}: selection {tuple(selection.shape)} does not cover rows {T} x keys {end}")
 
-    rows = max(1, SCORE_BYTES // (H * end * 4))           # query rows per block: bounds the scores' memory
-    out = torch.cat([attend(q[a: a + rows], k, v, selection[a: a + rows], x.dtype) for a in range(0, T, rows)])
+    out = attention(q, k, v, selection)                                             # [T, H, DV]
     return F.linear(out.reshape(T, H * DV), w.o_proj), selection                   # [T, E]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
+    """Every query row's attention: q [T, H, DQ], k [S, H, DQ], v [S, H, DV], selection [T, S] -> [T, H, DV]. The
+    masked_attention kernel on a Triton device; elsewhere the einsum form in blocks of rows that bound the scores."""
+    if use_triton(q):
+        return masked_attention(q, k, v, selection, q.shape[-1] ** -0.5)
+    T, H, S = q.shape[0], q.shape[1], k.shape[0]
+    rows = max(1, SCORE_BYTES // (H * S * 4))             # query rows per block: bounds the scores' memory
+    return torch.cat([attend(q[a: a + rows], k, v, selection[a: a + rows], q.dtype) for a in range(0, T, rows)])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor, dtype: torch.dtype

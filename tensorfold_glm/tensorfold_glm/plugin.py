@@ -213,6 +213,10 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "mla": (f"heads={c.num_attention_heads} q_lora={c.q_lora_rank} kv_lora={c.kv_lora_rank} "
                 f"qk_nope={c.qk_nope_head_dim} qk_rope={c.qk_rope_head_dim} v_head={c.v_head_dim} NoPE"),
         "latent": f"post kv_a_layernorm (eps={c.rms_norm_eps!r}), {act}",
+        "mla_attention": ("prefill on CUDA: the masked_attention kernel (online float32 softmax, the selection as its "
+                          "bit mask, key blocks on the absolute grid); on the CPU: einsum scores in the model dtype, "
+                          "float32 softmax, probabilities cast back; a row that selects nothing gives 0; decode: "
+                          "kv_b absorbed over the picked latents"),
         "indexer": (f"heads={c.index_n_heads} head_dim={c.index_head_dim} topk={c.index_topk} "
                     f"kpool={c.index_kpool} always_select_tail={c.index_kpool_always_select_tail}; "
                     "ties: lower pool wins"),

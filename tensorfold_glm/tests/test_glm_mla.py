@@ -340,3 +340,38 @@ def test_without_tail_rows_that_select_nothing_give_zeros() -> None:
     assert not mask[:3].any() and torch.equal(out[:3], torch.zeros(3, 64))
     assert not mask[7, 7] or mask[7, 4:8].all()
     assert float((out - hf).abs().max()) <= TOL
+
+
+@pytest.fixture
+def kernel_path(monkeypatch: pytest.MonkeyPatch):
+    """mla as on a Triton device (CUDA): use_triton true, masked_attention the Triton kernel (in triton's
+    interpreter on the CPU, conftest chooses it)."""
+    pytest.importorskip("triton")
+    from tensorfold.kernels.masked_attention import triton_prefill
+    from tensorfold.testing.triton_interpreter import interpreter_fixes
+
+    monkeypatch.setattr(mla, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(mla, "masked_attention", triton_prefill.masked_attention)
+    with interpreter_fixes():
+        yield
+
+
+@pytest.mark.triton
+def test_the_kernel_path_matches_hf_and_keeps_a_rows_bits(kernel_path) -> None:
+    """On a Triton device the prefill attention is the masked_attention kernel: the layers stay within TOL of HF,
+    rows that select nothing give zeros, and a chunk's rows (over the keys up to the chunk's end) give the bits the
+    one-shot call gives them, which is what resumed == fresh needs."""
+    config, layers = hf_layers(SELECT_SEED, ["full", "shared"], "sdpa", index_kpool_always_select_tail=False)
+    pairs = [ours(m, config) for m in layers]
+    x = inputs(SELECT_SEED, 40)
+    outs, masks = run(pairs, x, [0], WindowStore(layout(config), 1, 40))
+    hf, _ = hf_run(layers, x)
+    assert not masks[0][:3].any() and torch.equal(outs[0][:3], torch.zeros(3, 64))
+    assert max(float((a - b).abs().max()) for a, b in zip(outs, hf, strict=True)) <= TOL
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(40, 4, 16, generator=g)
+    k, v = torch.randn(40, 4, 32, generator=g).split([16, 16], dim=-1)
+    whole = mla.attention(q, k, v, masks[0])
+    for a, b in ((0, 2), (2, 6), (6, 13), (13, 30), (30, 40)):                # chunks of a prefill
+        assert torch.equal(mla.attention(q[a:b], k[:b], v[:b], masks[0][a:b, :b]), whole[a:b]), (a, b)
