@@ -44,6 +44,7 @@ RECURRENT = "recurrent"        # KDA fixed [H, DK, DV] float32
 LATENT = "latent"              # MLA row [kv_lora_rank] act: the normalised latent
 POOLED_KEY = "pooled_key"      # full indexer row [index_head_dim] act, every index_kpool tokens
 POOL_TAIL = "pool_tail"        # full indexer fixed [kpool-1, 2, index_head_dim] act: raw keys [:, 0], gates [:, 1]
+SELECT_BYTES = 256 << 20       # a prefill step's DSA scores ([rows, index heads, pools] float32) per block of rows
 
 # Glm5NextTextConfig's class defaults, for every field read here (transformers 5.24)
 DEFAULTS: dict[str, Any] = {

@@ -28,6 +28,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from tensorfold_glm import config
+
 INDEX_KEY_NORM_EPS = 1e-6   # HF hard-codes nn.LayerNorm(index_head_dim, eps=1e-6)
 
 
@@ -128,21 +130,31 @@ def top_pools(scores: torch.Tensor, start: int, d: IndexerDims) -> torch.Tensor:
     return keep & candidate
 
 
-def selection_mask(keep: torch.Tensor, start: int, end: int, d: IndexerDims) -> torch.Tensor:
-    """The key positions each row attends to: the kept pools' tokens, plus the row's own incomplete pool
-    (kpool·floor((p+1)/kpool) .. p) with always_select_tail: bool [T, end]."""
+def selection_mask(keep: torch.Tensor, start: int, width: int, d: IndexerDims) -> torch.Tensor:
+    """The key positions rows [start, start + T) attend to: the kept pools' tokens, plus the row's own incomplete
+    pool (kpool·floor((p+1)/kpool) .. p) with always_select_tail: bool [T, width] (width past the last row's)."""
     T, N = keep.shape
-    mask = torch.zeros(T, end, dtype=torch.bool, device=keep.device)
+    mask = torch.zeros(T, width, dtype=torch.bool, device=keep.device)
     mask[:, : N * d.kpool] = keep.repeat_interleave(d.kpool, dim=1)
     if d.always_select_tail:
-        positions = torch.arange(start, end, device=keep.device)[:, None]           # [T, 1]
-        keys = torch.arange(end, device=keep.device)[None, :]                       # [1, end]
+        positions = torch.arange(start, start + T, device=keep.device)[:, None]     # [T, 1]
+        keys = torch.arange(width, device=keep.device)[None, :]                     # [1, width]
         mask |= (keys >= (positions + 1) // d.kpool * d.kpool) & (keys <= positions)
     return mask
 
 
 def select(w: IndexerWeights, d: IndexerDims, x: torch.Tensor, q_resid: torch.Tensor, start: int,
            pooled_rows: torch.Tensor) -> torch.Tensor:
-    """The selection mask [T, end] of rows [start, start + T) given the pooled keys of [0, end): [N, DI]."""
-    keep = top_pools(index_scores(w, d, q_resid, x, pooled_rows), start, d)
-    return selection_mask(keep, start, start + x.shape[0], d)
+    """The selection mask [T, end] of rows [start, start + T) given the pooled keys of [0, end): [N, DI]. In
+    blocks of rows whose [rows, NI, N] scores fit config.SELECT_BYTES (one block unless the prompt is long): a row's
+    selection is its own, and the blocks depend only on T and N, so a resumed pass blocks as a fresh one."""
+    T, end = x.shape[0], start + x.shape[0]
+    rows = max(1, config.SELECT_BYTES // (d.n_heads * max(1, pooled_rows.shape[0]) * 4))
+    if rows >= T:
+        return selection_mask(top_pools(index_scores(w, d, q_resid, x, pooled_rows), start, d), start, end, d)
+    mask = torch.empty(T, end, dtype=torch.bool, device=x.device)
+    for a in range(0, T, rows):
+        b = min(T, a + rows)
+        keep = top_pools(index_scores(w, d, q_resid[a:b], x[a:b], pooled_rows), start + a, d)
+        mask[a:b] = selection_mask(keep, start + a, end, d)
+    return mask

@@ -32,6 +32,7 @@ from tensorfold_glm.config import (
     POOL_TAIL,
     POOLED_KEY,
     RECURRENT,
+    SELECT_BYTES,
     SERVED_DTYPES,
     GlmConfig,
     unsupported,
@@ -219,7 +220,8 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
                           "kv_b absorbed over the picked latents"),
         "indexer": (f"heads={c.index_n_heads} head_dim={c.index_head_dim} topk={c.index_topk} "
                     f"kpool={c.index_kpool} always_select_tail={c.index_kpool_always_select_tail}; "
-                    "ties: lower pool wins"),
+                    "ties: lower pool wins; a prefill step scores its rows in blocks of at most "
+                    f"{SELECT_BYTES} bytes of float32 [rows, heads, pools]"),
         "pooled_key": (f"one per complete pool of {c.index_kpool} anchored at position 0: float32 softmax of "
                        f"gate + ape, probabilities cast to {act}, sum in {act}; pool_tail holds the LayerNorm'd "
                        "keys and gate logits of the incomplete pool"),

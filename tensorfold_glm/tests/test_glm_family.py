@@ -263,6 +263,7 @@ def test_declarations_through_the_entry_point(tmp_path: Path) -> None:
     identity = found.identity
     assert identity["schedule"] == "LLLI" and identity["dtype"] == "bfloat16"
     assert "ties: lower pool wins" in identity["indexer"] and "kpool=4" in identity["indexer"]
+    assert "blocks of at most 268435456 bytes" in identity["indexer"]       # the DSA scoring's row blocks
     assert identity["kda_algorithm"] == ("chunked 64 on the absolute grid from q, k, v in bfloat16; "
                                          "1-token steps recurrent")
     assert "masked_attention kernel" in identity["mla_attention"]   # states of the einsum prefill on CUDA differ

@@ -11,6 +11,7 @@ import torch
 
 from tensorfold.kv import KvStore, PagedStore, WindowStore
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
+from tensorfold_glm import config as glm_config
 from tensorfold_glm import indexer as dsa
 from tensorfold_glm import mla
 
@@ -216,6 +217,24 @@ def test_split_and_decode_equal_one_shot() -> None:
     print(f"\n[mla split+decode] states vs one-shot {state_diff:.2e}; outputs vs one-shot {vs_one:.2e}, "
           f"vs HF cached {vs_hf:.2e}")
     assert state_diff <= 1e-5 and vs_one <= 1e-5 and vs_hf <= TOL
+
+
+def test_a_long_prompt_selects_in_row_blocks_with_the_same_bits(monkeypatch) -> None:
+    """Past SELECT_BYTES of [rows, NI, N] scores a step selects in blocks of rows: the same masks and outputs, bit for
+    bit, as in one block (steps of 29 and 31 rows, blocks of 15 and 7 rows)."""
+    config, layers = hf_layers(SELECT_SEED, ["full", "shared"])
+    pairs = [ours(m, config) for m in layers]
+    x = inputs(SELECT_SEED, 60)
+    whole, whole_masks = run(pairs, x, [0, 29], WindowStore(layout(config), 1, 60))
+    monkeypatch.setattr(glm_config, "SELECT_BYTES", config.index_n_heads * 15 * 4 * 7)   # 7 rows at 15 pools
+    blocks = []
+    original = dsa.top_pools
+    monkeypatch.setattr(dsa, "top_pools", lambda scores, start, d: blocks.append(scores.shape) or original(
+        scores, start, d))
+    blocked, blocked_masks = run(pairs, x, [0, 29], WindowStore(layout(config), 1, 60))
+    assert blocks == [(15, 7), (14, 7)] + [(7, 15)] * 4 + [(3, 15)]
+    assert all(torch.equal(a, b) for a, b in zip(whole_masks, blocked_masks, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(whole, blocked, strict=True))
 
 
 def test_resumed_step_equals_continued_step_bitwise() -> None:
