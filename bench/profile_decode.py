@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: the eager decode under torch.profiler, kernels grouped by name, one JSON
 line per kernel group (largest first) and one for the step as a whole, beside the graph replay's wall time. With
---prefill ROWS, the same for one stream's prefill of ROWS rows in --chunk pieces instead.
+--prefill ROWS, the same for one stream's prefill of ROWS rows in --chunk pieces instead, with `issue_us` (the host's
+time to issue the prefill, before waiting for the device) beside `wall_us`.
 
     python bench/profile_decode.py --shape qwen3_5-9b --batch 1 --out $OUT
     python bench/profile_decode.py --shape nemotron_h-30b-a3b --prefill 8192 --out $OUT
@@ -92,10 +93,11 @@ def profile_prefill(args: argparse.Namespace, ours, layout) -> None:
                                               sample=a + args.chunk >= args.prefill),)), store)
 
     with torch.inference_mode():
-        wall_us, prof = profiled(run)
+        wall_us, issue_us, prof = profiled(run)
         syncs = host_syncs(run)
     report(args, kernel_totals(prof, 1), {"bench": "prefill_profile", "shape": args.shape, "rows": args.prefill,
-                                          "chunk": args.chunk, "wall_us": round(wall_us, 1), **syncs},
+                                          "chunk": args.chunk, "wall_us": round(wall_us, 1),
+                                          "issue_us": round(issue_us, 1), **syncs},
            "prefill_kernel")
 
 
@@ -108,23 +110,26 @@ def profile_hf_prefill(args: argparse.Namespace, hf) -> None:
         hf(ids, use_cache=True, logits_to_keep=1)
 
     with torch.inference_mode():
-        wall_us, prof = profiled(run)
+        wall_us, issue_us, prof = profiled(run)
     report(args, kernel_totals(prof, 1), {"bench": "hf_prefill_profile", "shape": args.shape, "rows": args.prefill,
-                                          "wall_us": round(wall_us, 1)}, "hf_prefill_kernel")
+                                          "wall_us": round(wall_us, 1), "issue_us": round(issue_us, 1)},
+           "hf_prefill_kernel")
 
 
-def profiled(run) -> tuple[float, torch.profiler.profile]:
-    """`run` once to warm up, once timed (µs, synchronised), once under the profiler."""
+def profiled(run) -> tuple[float, float, torch.profiler.profile]:
+    """`run` once to warm up, once timed (µs: until it returns, the issue time, and synchronised, the wall time; an
+    issue time near the wall time says the host's launches bound the run), once under the profiler."""
     run()
     torch.cuda.synchronize()
     began = time.perf_counter()
     run()
+    issue_us = (time.perf_counter() - began) * 1e6
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - began) * 1e6
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return wall_us, prof
+    return wall_us, issue_us, prof
 
 
 def host_syncs(run) -> dict:
