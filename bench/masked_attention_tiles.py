@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
+import gpu  # bench/gpu.py: this script runs from bench/ on sys.path
 import torch
 import triton
 
@@ -27,11 +27,7 @@ CANDIDATES = [(128, 64, 8, 2), (128, 64, 8, 1), (128, 32, 8, 2), (128, 128, 8, 1
 
 def emit(out: Path | None, **record) -> None:
     """One JSON line to stdout and to --out/masked_attention_tiles.jsonl."""
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out is not None:
-        with open(out / "masked_attention_tiles.jsonl", "a") as handle:
-            handle.write(line + "\n")
+    gpu.emit(out, jsonl="masked_attention_tiles.jsonl", **record)
 
 
 def selection(T: int, S: int, top: int, device: str) -> torch.Tensor:

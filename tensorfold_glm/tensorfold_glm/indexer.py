@@ -150,11 +150,6 @@ def select(w: IndexerWeights, d: IndexerDims, x: torch.Tensor, q_resid: torch.Te
     selection is its own, and the blocks depend only on T and N, so a resumed pass blocks as a fresh one."""
     T, end = x.shape[0], start + x.shape[0]
     rows = max(1, config.SELECT_BYTES // (d.n_heads * max(1, pooled_rows.shape[0]) * 4))
-    if rows >= T:
-        return selection_mask(top_pools(index_scores(w, d, q_resid, x, pooled_rows), start, d), start, end, d)
-    mask = torch.empty(T, end, dtype=torch.bool, device=x.device)
-    for a in range(0, T, rows):
-        b = min(T, a + rows)
-        keep = top_pools(index_scores(w, d, q_resid[a:b], x[a:b], pooled_rows), start + a, d)
-        mask[a:b] = selection_mask(keep, start + a, end, d)
-    return mask
+    blocks = [selection_mask(top_pools(index_scores(w, d, q_resid[a: a + rows], x[a: a + rows], pooled_rows),
+                                       start + a, d), start + a, end, d) for a in range(0, T, rows)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)

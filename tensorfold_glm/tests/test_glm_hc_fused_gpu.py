@@ -11,6 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tensorfold.testing.cuda_graphs import captured, without_host_sync
 from tensorfold_glm.hc import HcWeights, collapse, hc_coefficients, hc_mixes, hc_post, hc_pre, spread
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -98,21 +99,8 @@ def test_no_host_sync_and_a_cuda_graph_replays_the_same_bits(block):
         return hc_post(x, rows, post, comb)                                       # an identity block
 
     eager = step()                                                                # compiles the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")                                     # a host sync raises
-    try:
-        again = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(again, eager)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    assert torch.equal(without_host_sync(step), eager)                            # a host sync raises
+    graph, replayed = captured(step)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    assert torch.equal(replayed, eager)
