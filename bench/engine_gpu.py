@@ -44,6 +44,7 @@ from tensorfold.kv import PagedStore
 from tensorfold.memory import StreamMemory
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
+from tensorfold.settings import DEFAULT_PREFILL_CHUNK
 
 PAGE_ROWS = 256
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128, help="new tokens per stream (and runner steps)")
     parser.add_argument("--context", type=int, default=4096, help="the engine's context (serve's default)")
-    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (serve's default)")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill chunk (serve's default)")
     parser.add_argument("--hf-steps", type=int, default=32, help="HF decode steps per batch; 0 skips HF")
     parser.add_argument("--engine-per-level", action="store_true",
                         help="a fresh engine per level sized to it (the issue's probe), not one for all")

@@ -3,6 +3,8 @@ chunk's rows, beside the "decode" and "prefill" kinds' own, one JSON line each (
 
     python bench/moe_tiles.py --out $OUT                       # Nemotron-3-Nano-30B-A3B's experts, 2,048 rows
     python bench/moe_tiles.py --hidden 2048 --inner 512 --experts 256 --top 8 --activation silu_gate
+    python bench/moe_tiles.py --decode --rows 1 64 --hidden 2048 --inner 512 --experts 257 --top 9 \
+        --activation silu_gate          # the "decode" kind's candidates, each timed as a CUDA graph replay
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import itertools
 import json
 from pathlib import Path
 
+import attrs
 import torch
 import triton
 
@@ -33,12 +36,18 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=1856)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top", type=int, default=6)
-    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--rows", type=int, nargs="+", default=[2048])
+    parser.add_argument("--decode", action="store_true",
+                        help="sweep the decode kind's candidates (16-row blocks) at each --rows, graph replays")
     parser.add_argument("--activation", default="relu2", choices=("relu2", "silu_gate"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
-    E, F, N, k, T = args.hidden, args.inner, args.experts, args.top, args.rows
+    if args.decode:
+        for T in args.rows:
+            sweep_decode(args, T)
+        return
+    E, F, N, k, T = args.hidden, args.inner, args.experts, args.top, args.rows[0]
     dtype, device = torch.bfloat16, "cuda"
     width = F if args.activation == "relu2" else 2 * F
     x = torch.randn(T, E, dtype=dtype, device=device)
@@ -65,16 +74,57 @@ def main() -> None:
         cfg = triton_moe.Config(block_f=block_n, block_k_e=block_k, block_e=block_n, block_k_f=block_k,
                                 block_sum=base.block_sum, precision=base.precision, num_warps=warps,
                                 block_m=block_m, num_stages=stages, grouped_only=True)
-        try:
-            ms = timed(config=cfg)
-        except Exception as error:  # out of shared memory for a large tile: recorded, not fatal
-            emit(args.out, bench="moe_tiles", config=str(cfg), error=str(error)[:200])
-            continue
-        results.append((ms, str(cfg)))
-        emit(args.out, bench="moe_tiles", config=str(cfg), rows=T, ms=round(ms, 3),
-             tflops=round(flops / ms / 1e9, 1))
+        tried(args, results, "moe_tiles", cfg, lambda c: timed(config=c), T, lambda ms: {
+            "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
     for ms, name in sorted(results)[:5]:
         emit(args.out, bench="moe_tiles_best", config=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
+
+
+def tried(args: argparse.Namespace, results: list, bench: str, cfg, run, rows: int, figures) -> None:
+    """One candidate timed (`run(cfg)`) and its line written (with `figures(ms)`), or its error recorded: a tile
+    past the device's resources is not fatal."""
+    try:
+        ms = run(cfg)
+    except Exception as error:
+        emit(args.out, bench=bench, config=str(cfg), error=str(error)[:200])
+        return
+    results.append((ms, str(cfg)))
+    emit(args.out, bench=bench, config=str(cfg), rows=rows, **figures(ms))
+
+
+def sweep_decode(args: argparse.Namespace, T: int) -> None:
+    """The decode kind's config and its candidates at T rows (k pairs each, ids ascending as a routing kernel gives
+    them), each call captured in a CUDA graph and timed by its replays (a decode step is replayed so)."""
+    E, F, N, k = args.hidden, args.inner, args.experts, args.top
+    dtype, device = torch.bfloat16, "cuda"
+    width = F if args.activation == "relu2" else 2 * F
+    x = torch.randn(T, E, dtype=dtype, device=device)
+    gate_up = torch.randn(N, width, E, dtype=dtype, device=device) * E ** -0.5
+    down = torch.randn(N, E, F, dtype=dtype, device=device) * F ** -0.5
+    chosen = torch.rand(T, N, device=device).topk(k, dim=-1).indices.sort(dim=-1).values
+    weights = torch.rand(T, k, device=device).to(dtype)
+    moved = (T * k if T * k < N else N) * (width * E + E * F) * 2          # weight bytes read, about
+
+    def timed(config=None) -> float:
+        def call():
+            return triton_moe.routed_experts(x, chosen, weights, gate_up, down, args.activation, config=config,
+                                             ordered=True)
+        call()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(call, rep=40)
+
+    base = triton_moe.config_for(E, F, dtype, "decode")
+    results = [(timed(), "decode kind: " + str(base))]
+    emit(args.out, bench="moe_tiles_decode", config=results[0][1], rows=T, ms=round(results[0][0], 4),
+         gb_s=round(moved / results[0][0] / 1e6, 1))
+    for block_f, block_e, block_k, warps, stages in itertools.product((16, 32, 64), (32, 64), (64, 128), (2, 4),
+                                                                       (3,)):
+        cfg = attrs.evolve(base, block_f=block_f, block_e=block_e, block_k_e=block_k, block_k_f=min(block_k, 64),
+                           num_warps=warps, num_stages=stages)
+        tried(args, results, "moe_tiles_decode", cfg, timed, T, lambda ms: {
+            "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 1)})
+    for ms, name in sorted(results)[:5]:
+        emit(args.out, bench="moe_tiles_decode_best", rows=T, config=name, ms=round(ms, 4))
 
 
 if __name__ == "__main__":

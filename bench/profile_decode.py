@@ -6,6 +6,7 @@ time to issue the prefill, before waiting for the device) beside `wall_us`.
     python bench/profile_decode.py --shape qwen3_5-9b --batch 1 --out $OUT
     python bench/profile_decode.py --shape nemotron_h-30b-a3b --prefill 8192 --out $OUT
     python bench/profile_decode.py --shape qwen3_5-9b --prefill 8192 --hf --out $OUT    (HF's prefill profiled too)
+    python bench/profile_decode.py --shape glm --batch 1 --out $OUT     (bench/glm_gpu.py's GLM shape)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu import SHAPES, build, our_store  # bench/gpu.py: this script runs from bench/ on sys.path
+from gpu import SHAPES, build, hf_model, our_store, ours_in_place_of  # bench/gpu.py: run from bench/ on sys.path
 
 from tensorfold.engine.graphs import DecodeRunner
 from tensorfold.plan import StepPlan, StreamStep
@@ -24,7 +25,8 @@ from tensorfold.plan import StepPlan, StreamStep
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="profile one decode step")
-    parser.add_argument("--shape", default="qwen3_5-9b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="qwen3_5-9b", choices=sorted(SHAPES) + ["glm"],
+                        help="glm: bench/glm_gpu.py's shape (8 layers, 64 experts)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
@@ -35,10 +37,7 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="with --prefill: profile HF's prefill of the same rows too")
     args = parser.parse_args()
     torch.manual_seed(0)
-    hf, ours, layout, _, _ = build(args.shape, torch.bfloat16)
-    if args.prefill and args.hf:
-        profile_hf_prefill(args, hf)
-    del hf
+    ours, layout = subject(args)
     if args.prefill:
         return profile_prefill(args, ours, layout)
     context = args.prompt + 3 * args.steps + 4
@@ -69,6 +68,22 @@ def main() -> None:
         replay_us = (time.perf_counter() - began) / args.steps * 1e6
     report(args, totals, {"bench": "decode_profile", "shape": args.shape, "batch": args.batch,
                           "graph_replay_us": round(replay_us, 1)}, "decode_kernel")
+
+
+def subject(args: argparse.Namespace):
+    """Our model and its Layout; HF's prefill profiled first with --hf. Without --hf ours is loaded in place of HF's
+    model (a 35B model is held once, not twice)."""
+    if args.shape == "glm":
+        import glm_gpu  # bench/glm_gpu.py
+
+        _, ours, layout, _ = glm_gpu.build(8, 64, torch.bfloat16)
+        return ours, layout
+    if args.prefill and args.hf:
+        hf, ours, layout, _, _ = build(args.shape, torch.bfloat16)
+        profile_hf_prefill(args, hf)
+        return ours, layout
+    hf, config = hf_model(args.shape, torch.bfloat16)
+    return ours_in_place_of(hf, config, args.shape, torch.bfloat16)
 
 
 def kernel_totals(prof: torch.profiler.profile, steps: int) -> dict[str, list[float]]:

@@ -136,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     rec = commands.add_parser("record", help="run the scenarios against a cache-on server")
     server_options(rec)
     rec.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="run only these (repeatable)")
-    rec.add_argument("--prefill-chunk", type=int, default=2048, help="the server's --prefill-chunk")
+    rec.add_argument("--prefill-chunk", type=int, default=8192, help="the server's --prefill-chunk")
     rec.add_argument("--min-chunk", type=int, default=256, help="the server's --min-chunk")
     rec.add_argument("--seed", type=int, default=0, help="seed sent with every (greedy) request")
     rec.add_argument("--max-tokens", type=int, default=12, help="tokens per reply")

@@ -11,7 +11,7 @@ import attrs
 TRUE = {"1", "true", "on", "yes"}
 FALSE = {"0", "false", "off", "no"}
 DEFAULT_CONTEXT = 4096
-DEFAULT_PREFILL_CHUNK = 2048
+DEFAULT_PREFILL_CHUNK = 8192  # the prefill grid (--prefill-chunk): vLLM's and SGLang's on H100/H200-class GPUs
 DEFAULT_STEP_ROWS = 8192  # rows one step may carry: decode rows and prefill chunks of several streams
 DEFAULT_PAGE_ROWS = 256
 DEFAULT_MIN_CHUNK = 256  # a system-prompt end closer than this to a pass's first row is not kept (policy.py)

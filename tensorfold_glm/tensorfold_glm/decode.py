@@ -15,7 +15,9 @@
     logits = lm_head(rms_norm(mean over streams))                                  [B, V] float32
 
 Every op but the MLA attention is model.py's per-stream path (`hidden`) for one token, on B rows instead of one (the
-conv, the KDA step and the experts on slots and pairs instead of one stream). On the CPU a stream alone in its batch
+conv, the KDA step and the experts on slots and pairs instead of one stream); where Triton runs, the block norms and
+the MLA's q_a / kv_a norms are core's rms_norm kernel in hc.rms_norm's order (hc.step_rms_norm: one launch, within
+an ulp of the torch ops). On the CPU a stream alone in its batch
 therefore writes every state up to the first MLA layer's attention as `hidden` does, bit for bit; the MLA's other
 order of products (mla_decode.py) and, in a larger batch, the GEMMs' rounding of a row by its place carry a few ulps
 into what follows (tests/test_glm_decode.py states the bounds). `forward` runs a step's one-token rows through this
@@ -43,7 +45,7 @@ from tensorfold.kernels.paged_write import write_rows
 from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch
 from tensorfold_glm.config import CONV, RECURRENT, GlmConfig
-from tensorfold_glm.hc import expand, hc_head, hc_post, hc_pre, rms_norm
+from tensorfold_glm.hc import expand, hc_head, hc_post, hc_pre, step_rms_norm
 from tensorfold_glm.kda import KdaWeights, gated_norm
 from tensorfold_glm.mla_decode import Rows, mla_step
 from tensorfold_glm.mlp import MlpWeights, MoeWeights, moe_routed, swiglu
@@ -71,7 +73,7 @@ def decode(model: GlmModel, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
     picked = None
     for index, layer in enumerate(w.layers):
         x, post, comb = hc_pre(layer.attn_hc, streams, c.rms_norm_eps, c.hc_sinkhorn_iters, c.hc_eps)
-        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        h = step_rms_norm(x, layer.input_norm, c.rms_norm_eps)
         if isinstance(layer.mixer, KdaWeights):
             out = kda_step(layer.mixer, c, h, batch.slots, index, kv)
             picked = None
@@ -79,7 +81,7 @@ def decode(model: GlmModel, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
             out, picked = mla_step(layer.mixer, model.mla_dims, h, rows, kv, index, picked)
         streams = hc_post(model.shard.reduce(out), streams, post, comb)
         x, post, comb = hc_pre(layer.ffn_hc, streams, c.rms_norm_eps, c.hc_sinkhorn_iters, c.hc_eps)
-        h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+        h = step_rms_norm(x, layer.post_norm, c.rms_norm_eps)
         streams = hc_post(model.shard.reduce(ffn(layer.ffn, c, h)), streams, post, comb)
     return model.logits(hc_head(streams))
 

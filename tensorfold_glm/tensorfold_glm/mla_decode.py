@@ -32,7 +32,8 @@ from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch
 from tensorfold_glm import indexer as dsa
 from tensorfold_glm.config import LATENT, POOL_TAIL, POOLED_KEY
-from tensorfold_glm.mla import MlaDims, MlaWeights, rms_norm
+from tensorfold_glm.hc import step_rms_norm
+from tensorfold_glm.mla import MlaDims, MlaWeights
 
 
 @attrs.frozen
@@ -84,9 +85,9 @@ def mla_step(w: MlaWeights, d: MlaDims, x: torch.Tensor, rows: Rows, kv: KvStore
     """One row per stream through an MLA layer: x [B, E] -> ([B, E], the keys it attended to). A full layer picks
     its keys, a shared one (w.indexer None) takes the previous layer's."""
     B, H, DQ, DV = x.shape[0], d.heads, d.qk_nope_head_dim, d.v_head_dim
-    q_resid = rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, d.rms_norm_eps)      # [B, Q]
+    q_resid = step_rms_norm(F.linear(x, w.q_a_proj), w.q_a_layernorm, d.rms_norm_eps)  # [B, Q]
     q = F.linear(q_resid, w.q_b_proj).view(B, H, DQ)                                   # [B, H, DQ]
-    latent = rms_norm(F.linear(x, w.kv_a_proj_with_mqa), w.kv_a_layernorm, d.rms_norm_eps)   # [B, R]
+    latent = step_rms_norm(F.linear(x, w.kv_a_proj_with_mqa), w.kv_a_layernorm, d.rms_norm_eps)   # [B, R]
     pages = kv.row_pages(layer, LATENT)                                                # [pages, page_rows, R]
     write_rows(pages, latent, rows.latent_rows)
     if w.indexer is not None:

@@ -18,6 +18,7 @@ from tensorfold.chat.tools import tool_parser
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
+from tensorfold.kernels.moe import TILES
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.shard import Shard, TensorParallel
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
@@ -231,8 +232,8 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "kda_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {act}; 1-token steps recurrent",
         "experts": ("routing kernel (float32 sigmoid, biased group-limited top-k, ties to the lower index); the "
                     "(row, expert) pairs through the kernels' grouped routed_experts (prefill tiles for a chunk, "
-                    f"decode tiles for one-token rows), outputs in {act}, weighted and summed in float32 in ascending "
-                    "expert order, rounded once; then the shared expert "
+                    f"decode tiles for one-token rows; {TILES}), outputs in {act}, weighted and summed in float32 "
+                    "in ascending expert order, rounded once; then the shared expert "
                     + ("as expert N of the grouped call" if c.n_shared_experts == 1 else "apart")),
     }
 

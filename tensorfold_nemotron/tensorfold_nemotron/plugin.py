@@ -18,6 +18,7 @@ from tensorfold.chat.api import ChatFormat
 from tensorfold.chat.tools import tool_parser
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
+from tensorfold.kernels.moe import TILES
 from tensorfold.kernels.ssd import CHUNK
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
@@ -185,6 +186,7 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "mamba_state": f"ssm float32 [heads, head_dim, state]; conv tail {act} (last {c.conv_kernel - 1} inputs)",
         "mamba_algorithm": f"SSD chunked {CHUNK} on the absolute grid; 1-token steps recurrent",
         "dt_policy": f"softplus(dt + dt_bias) clamped to [{low!r}, {high!r}] in every path",
+        **({"experts": f"relu2 experts through the kernels' routed_experts ({TILES})"} if "E" in c.schedule else {}),
     }
 
 

@@ -16,6 +16,7 @@ from nemotron_oracle import VOCAB, every_row, hf_checkpoint, ours, prompt_tokens
 from safetensors.torch import load_file, save_file
 
 from tensorfold.checkpoint import Checkpoint
+from tensorfold.kernels.moe import TILES
 from tensorfold.settings import Settings
 from tensorfold_nemotron import plugin
 from tensorfold_nemotron.config import NemotronConfig
@@ -158,6 +159,7 @@ def test_declarations_through_the_entry_point(tmp_path: Path) -> None:
     assert identity["schedule"] == "ME*M-" and identity["dtype"] == "bfloat16"
     assert identity["dt_policy"] == "softplus(dt + dt_bias) clamped to [0.0, inf] in every path"
     assert identity["mamba_algorithm"] == "SSD chunked 64 on the absolute grid; 1-token steps recurrent"
+    assert identity["experts"] == f"relu2 experts through the kernels' routed_experts ({TILES})"   # E in the schedule
     model = family.load(checkpoint, torch.float32, torch.device("cpu"))
     assert model.vocab_size == VOCAB
     assert family.refusals(checkpoint.config, Settings(context=4096)) == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.causal_conv1d import causal_conv1d_update
 from tensorfold.kernels.gated_delta import recurrent_gated_delta_step_gated
 from tensorfold.kernels.paged_attention import paged_decode
@@ -63,11 +64,15 @@ def _first_attention(w) -> int:
 
 
 def ffn(w, h: torch.Tensor) -> torch.Tensor:
-    """The dense MLP, or the routed MoE's sync-free path."""
+    """The dense MLP (gate and up in one GEMM when stacked: the Triton path's layout), or the routed MoE's
+    sync-free path."""
     if isinstance(w, MoeWeights):
         from tensorfold_qwen.mlp import moe_routed
 
         return moe_routed(w, h)
+    if w.gate_up is not None:
+        gate_up, inner = F.linear(h, w.gate_up), w.down_proj.shape[1]                   # [N, 2F]
+        return F.linear(silu_mul(gate_up[:, :inner], gate_up[:, inner:]), w.down_proj)
     return F.linear(silu_mul(F.linear(h, w.gate_proj), F.linear(h, w.up_proj)), w.down_proj)
 
 
@@ -90,11 +95,21 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, 
               dest: torch.Tensor, lengths: torch.Tensor, index: int, kv: KvStore,
               inv_freq: torch.Tensor) -> torch.Tensor:
     """Gated attention, one row per stream, keys in pages: [B, E] -> [B, E]. dest: each row's flat page row
-    (-1: write none); lengths: keys each row sees (0: none)."""
-    q, gate, k, v = attention_inputs(w, c, h, positions, inv_freq)
+    (-1: write none); lengths: keys each row sees (0: none). On a Triton device the norms, rotations and page
+    writes are one launch (attention_inputs.py), bit for bit the unfused kernels."""
     k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
-    write_rows(k_pages, k, dest)
-    write_rows(v_pages, v, dest)
+    if use_triton(h):
+        from tensorfold_qwen.attention_inputs import attention_inputs as fused_attention_inputs
+
+        N, H, D = h.shape[0], c.heads, c.head_dim
+        proj = F.linear(h, w.qkv)                                                       # [N, 2HD + 2·KV·D]
+        q = fused_attention_inputs(proj, w.q_norm, w.k_norm, c.rms_norm_eps, positions, inv_freq, c.rotary_dim,
+                                   H, c.kv_heads, D, k_pages, v_pages, dest)
+        gate = proj[:, : 2 * H * D].reshape(N, H, 2 * D)[..., D:].reshape(N, H * D)
+    else:
+        q, gate, k, v = attention_inputs(w, c, h, positions, inv_freq)
+        write_rows(k_pages, k, dest)
+        write_rows(v_pages, v, dest)
     return attention_output(w, paged_decode(q, k_pages, v_pages, tables, lengths, c.head_dim ** -0.5), gate)
 
 

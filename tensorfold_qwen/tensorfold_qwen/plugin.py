@@ -17,6 +17,7 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
+from tensorfold.kernels.moe import TILES
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
 from tensorfold.shard import Shard, TensorParallel
@@ -147,9 +148,9 @@ def family_state_image(config: Mapping[str, Any], layout: Layout) -> ImageFormat
 @hookimpl
 def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[str, str]:
     c = QwenConfig.from_dict(config)
-    experts = {"experts": experts_fact(c)} if c.moe else {}
+    ffn = {"experts": experts_fact(c)} if c.moe else {"mlp": "gate and up in one GEMM where Triton runs"}
     return {
-        **experts,
+        **ffn,
         "format": f"{IMAGE_FORMAT}/{IMAGE_VERSION}",
         "dtype": dtype_name(dtype),
         "schedule": c.schedule,
@@ -168,7 +169,7 @@ def experts_fact(c: QwenConfig) -> str:
     shared = ("the shared expert as expert N of the grouped experts" if c.shared_intermediate_size ==
               c.moe_intermediate_size else "the shared expert apart")
     return (f"fused: router and shared gate in one GEMM, routing kernel (ties to the lowest index), {shared}; "
-            "prefill chunks through the prefill tiles, one-row streams the decode tiles")
+            f"prefill chunks through the prefill tiles, one-row streams the decode tiles ({TILES})")
 
 
 # ---------------------------------------------------------------- chat replies

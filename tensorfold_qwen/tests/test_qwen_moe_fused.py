@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import attrs
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tensorfold.kernels.moe import TILES
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
@@ -178,8 +178,8 @@ def test_the_loader_fuses_for_a_triton_device_only(tmp_path, monkeypatch):
             assert (mine.ffn.experts_gate_up is not None) == (shared_f == 32)
             for name in ("router", "shared_gate", "gate_up", "down"):
                 assert torch.equal(getattr(mine.ffn, name), getattr(theirs.ffn, name)), name
-            pairs = zip(attrs.astuple(mine.ffn.shared), attrs.astuple(theirs.ffn.shared), strict=True)
-            assert all(torch.equal(a, b) for a, b in pairs)
+            assert all(torch.equal(getattr(mine.ffn.shared, name), getattr(theirs.ffn.shared, name))
+                       for name in ("gate_proj", "up_proj", "down_proj"))
         torch.testing.assert_close(fused.model.forward(plan, fused.store(1, 32)),
                                    plain.model.forward(plan, plain.store(1, 32)), rtol=0.0, atol=1e-5)
 
@@ -190,6 +190,7 @@ def test_the_identity_names_the_fused_experts():
     facts = [plugin.family_identity(config, torch.bfloat16)["experts"] for config in (folded, apart)]
     assert facts[0] != facts[1]
     assert "shared expert as expert N" in facts[0] and "routing kernel" in facts[1]
+    assert all(TILES in fact for fact in facts)                     # the decode and prefill tiles named
     assert "experts" not in plugin.family_identity(plugin.TINY_CONFIG, torch.bfloat16)
 
 

@@ -55,6 +55,20 @@ def test_naive_plain_is_x_hat_times_w(dtype):
 @pytest.mark.parametrize("weight_dtype", [pytest.param(torch.float32, id="w-fp32"),
                                           pytest.param(torch.bfloat16, id="w-bf16")])
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_naive_weight_after_cast_is_the_llama_order(dtype, weight_dtype):
+    """w · x̂.to(dtype) as HF's Llama-style norms write it (GLM-5's), bit for bit."""
+    x, w = randn(6, 48, dtype=dtype, seed=3, scale=2.0), randn(48, dtype=weight_dtype, seed=4)
+    x32 = x.float()
+    expected = (w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)).to(dtype)
+    out = rms_norm(x, w, EPS, zero_centred=False, weight_after_cast=True)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="weight_after_cast"):
+        rms_norm(x, w, EPS, zero_centred=True, weight_after_cast=True)
+
+
+@pytest.mark.parametrize("weight_dtype", [pytest.param(torch.float32, id="w-fp32"),
+                                          pytest.param(torch.bfloat16, id="w-bf16")])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_naive_gated_matches_qwen_reference(dtype, weight_dtype):
     layers = pytest.importorskip("tensorfold_qwen.layers")
     x, z = randn(5, 3, 24, dtype=dtype, seed=0), randn(5, 3, 24, dtype=dtype, seed=1)
@@ -105,6 +119,22 @@ def test_triton_rms_norm_matches_naive(N, D, dtype, zero_centred, residual, devi
         assert torch.equal(got_sum.cpu(), expected_sum)
     assert got.dtype == dtype
     torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("weight_dtype", [pytest.param(torch.float32, id="w-fp32"), pytest.param(None, id="w-x")])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, D", [(1, 7), (37, 64), (3, 4096)], ids=["N1-D7", "N37-D64", "N3-D4096"])
+def test_triton_weight_after_cast_matches_naive(N, D, dtype, weight_dtype, device):
+    from tensorfold.kernels.rmsnorm import triton_rmsnorm
+    x, w = randn(N, D, dtype=dtype, seed=5, scale=3.0), randn(D, dtype=weight_dtype or dtype, seed=6, scale=0.5)
+    expected = naive.rms_norm(x, w, EPS, zero_centred=False, weight_after_cast=True)
+    got = triton_rmsnorm.rms_norm(x.to(device), w.to(device), EPS, zero_centred=False, weight_after_cast=True)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])
+    rows = triton_rmsnorm.rms_norm(x[N - 1:].to(device), w.to(device), EPS, zero_centred=False,
+                                   weight_after_cast=True)
+    assert torch.equal(rows.cpu(), got[N - 1:].cpu())                       # a row's bits, alone or in the batch
 
 
 @pytest.mark.triton

@@ -84,8 +84,10 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
                       block_sum=block_sum, precision=precision, num_warps=8, block_m=PREFILL_BLOCK_M,
                       num_stages=3, grouped_only=True)
     step = 32 if dtype == torch.float32 else 64
-    decode = Config(block_f=tile(F, 64), block_k_e=tile(E, step), block_e=tile(E, 64), block_k_f=tile(F, step),
-                    block_sum=block_sum, precision=precision)
+    # decode: 32-wide F and E tiles, so a step's few pairs still spread over the SMs; bf16 reads E in 128-deep steps
+    # (bench/moe_tiles.py --decode picked them at the 35B-A3B shape, docs/kernels.md)
+    decode = Config(block_f=tile(F, 32), block_k_e=tile(E, 32 if dtype == torch.float32 else 128),
+                    block_e=tile(E, 32), block_k_f=tile(F, step), block_sum=block_sum, precision=precision)
     if kind == "prefill":   # float32 (the checking mode): the decode tiles, grouped in 128-row blocks
         return attrs.evolve(decode, block_m=PREFILL_BLOCK_M, grouped_only=True)
     return decode

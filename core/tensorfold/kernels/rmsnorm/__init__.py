@@ -26,19 +26,26 @@ def _check(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], x: torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, weight_after_cast: bool = False
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [N, D], weight [D] -> out [N, D] in x's dtype. With residual [N, D] (x's dtype): out = norm(x + residual)
-    and returns (out, x + residual), the sum rounded to x's dtype as an unfused `x + residual` is."""
+    and returns (out, x + residual), the sum rounded to x's dtype as an unfused `x + residual` is.
+    weight_after_cast (plain weights only): w · (x̂ rounded to x's dtype), the product rounded again, the order of
+    HF's Llama-style norm (`weight * hidden.to(dtype)`, GLM-5's) for a weight in x's dtype or float32."""
     if x.dim() != 2 or not x.dtype.is_floating_point:
         raise ValueError(f"rms_norm: x must be a floating [N, D] tensor, got {list(x.shape)} {x.dtype}")
+    if weight_after_cast and zero_centred:
+        raise ValueError("rms_norm: weight_after_cast takes a plain weight, not a zero-centred one")
     _check("rms_norm", "weight", weight, (x.shape[1],), x, same_dtype=False)
     if residual is not None:
         _check("rms_norm", "residual", residual, tuple(x.shape), x)
     if use_triton(x):
         from tensorfold.kernels.rmsnorm import triton_rmsnorm
-        return triton_rmsnorm.rms_norm(x, weight, eps, zero_centred=zero_centred, residual=residual)
+        return triton_rmsnorm.rms_norm(x, weight, eps, zero_centred=zero_centred, residual=residual,
+                                       weight_after_cast=weight_after_cast)
     from tensorfold.kernels.rmsnorm import naive
-    return naive.rms_norm(x, weight, eps, zero_centred=zero_centred, residual=residual)
+    return naive.rms_norm(x, weight, eps, zero_centred=zero_centred, residual=residual,
+                          weight_after_cast=weight_after_cast)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

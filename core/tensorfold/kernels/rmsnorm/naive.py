@@ -11,13 +11,18 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x̂·(1 + w) (zero-centred) or x̂·w, float32 then back to x's dtype. x [N, D], weight [D] -> [N, D];
-    with residual [N, D]: s = x + residual (in x's dtype) is normalised and (out, s) returned."""
+             residual: torch.Tensor | None = None, weight_after_cast: bool = False
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x̂·(1 + w) (zero-centred) or x̂·w, float32 then back to x's dtype (weight_after_cast: w · x̂ rounded to x's
+    dtype, the product rounded again). x [N, D], weight [D] -> [N, D]; with residual [N, D]: s = x + residual (in
+    x's dtype) is normalised and (out, s) returned."""
     if residual is not None:
         x = x + residual                                                           # [N, D], rounded once
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)            # [N, D] float32
+    if weight_after_cast:
+        out = (weight.float() * normed.to(x.dtype).float()).to(x.dtype)
+        return out if residual is None else (out, x)
     scale = 1.0 + weight.float() if zero_centred else weight.float()               # [D] float32
     out = (normed * scale).to(x.dtype)
     return out if residual is None else (out, x)

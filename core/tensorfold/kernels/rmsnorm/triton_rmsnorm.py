@@ -17,8 +17,9 @@ from tensorfold.kernels.triton_rounding import round_to
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stride_r, stride_o, stride_s, eps,
                      ZERO_CENTRED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = (x·rstd)·(1 + w | w); with a residual, x <- round(x + r) first and written to sum_ptr."""
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr = False):
+    """out = (x·rstd)·(1 + w | w); with a residual, x <- round(x + r) first and written to sum_ptr.
+    WEIGHT_AFTER_CAST: out = w · round(x·rstd)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     cols = tl.arange(0, BLOCK_D)                                                   # [BD]
     mask = (rows < N)[:, None] & (cols < D)[None, :]
@@ -32,7 +33,10 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stri
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         w = 1.0 + w
-    out = (x * rstd[:, None]) * w[None, :]
+    if WEIGHT_AFTER_CAST:
+        out = w[None, :] * round_to(x * rstd[:, None], ty)
+    else:
+        out = (x * rstd[:, None]) * w[None, :]
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], round_to(out, ty), mask=mask)
 
 
@@ -96,7 +100,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, weight_after_cast: bool = False
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launcher: x [N, D], weight [D] (residual [N, D]) -> out [N, D] (and x + residual)."""
     x, weight = _rows(x), weight.contiguous()
     N, D = x.shape
@@ -108,7 +113,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred:
         block_n, block_d, num_warps, grid = _blocks(N, D)
         _rms_norm_kernel[grid](x, r, weight, out, s, N, D, x.stride(0), r.stride(0), out.stride(0), s.stride(0),
                                float(eps), ZERO_CENTRED=zero_centred, HAS_RESIDUAL=residual is not None,
-                               BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+                               BLOCK_N=block_n, BLOCK_D=block_d, WEIGHT_AFTER_CAST=weight_after_cast,
+                               num_warps=num_warps)
     return out if total is None else (out, total)
 
 

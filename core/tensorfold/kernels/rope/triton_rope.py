@@ -2,8 +2,9 @@
 
 Float32 angles position · inv_freq; cos/sin from libdevice (full range reduction: positions reach 10^5-10^6
 radians) on the GPU, tl.cos/tl.sin under the interpreter (numpy). Each product and the sum are rounded to x's
-dtype as the reference's x·cos + rot(x)·sin in that dtype is; bfloat16 rounding is done on the bits (nearest
-even), because the interpreter truncates on `.to(tl.bfloat16)`.
+dtype as the reference's x·cos + rot(x)·sin in that dtype is, and each product is taken apart from the sum (never
+contracted into an FMA: libdevice's mul_rn), as torch's separate ops take it; bfloat16 rounding is done on the
+bits (nearest even), because the interpreter truncates on `.to(tl.bfloat16)`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from triton.language.extra import libdevice
 from tensorfold.kernels.triton_rounding import round_to
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"      # libdevice has no interpreter version
+
+
+@triton.jit
+def product(a, b, LIBDEVICE: tl.constexpr):
+    """a · b rounded on its own: on the GPU the compiler may not fuse it into a following add (an FMA would round
+    the float32 sum of two products differently from torch's ops and from another kernel's choice of FMA)."""
+    if LIBDEVICE:
+        return libdevice.mul_rn(a, b)
+    return a * b
 
 
 @triton.jit
@@ -41,8 +51,10 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, H, D, stride_xn, stride_xh, 
     o_row = out_ptr + n * stride_on + heads[:, None] * stride_oh
     first = tl.load(x_row + half[None, :], mask=mask, other=0.0).to(tl.float32)
     second = tl.load(x_row + HALF + half[None, :], mask=mask, other=0.0).to(tl.float32)
-    out_first = round_to(round_to(first * cos, ty) + round_to(-second * sin, ty), ty)
-    out_second = round_to(round_to(second * cos, ty) + round_to(first * sin, ty), ty)
+    out_first = round_to(round_to(product(first, cos, LIBDEVICE), ty) + round_to(-product(second, sin, LIBDEVICE), ty),
+                         ty)
+    out_second = round_to(round_to(product(second, cos, LIBDEVICE), ty) + round_to(product(first, sin, LIBDEVICE), ty),
+                          ty)
     tl.store(o_row + half[None, :], out_first, mask=mask)
     tl.store(o_row + HALF + half[None, :], out_second, mask=mask)
     if BLOCK_PASS > 0:                                                             # the non-rotary tail
