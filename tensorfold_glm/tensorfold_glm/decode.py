@@ -99,15 +99,18 @@ def kda_step(w: KdaWeights, c: GlmConfig, x: torch.Tensor, slots: torch.Tensor, 
     """kda.kimi_delta_attention for one token of each of B streams, on their slots' conv tails and recurrent
     states (in place; a padded row touches neither): [B, E] -> [B, E]."""
     B, H, D = x.shape[0], c.linear_num_heads, c.linear_head_dim
-    qkv = torch.cat((F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)), dim=-1)   # [B, C]
+    if w.inputs is not None:                                                          # stacked: one GEMM over x
+        qkv, f_a, b, g_a = F.linear(x, w.inputs).split([3 * H * D, D, H, D], dim=-1)
+    else:
+        qkv = torch.cat((F.linear(x, w.q_proj), F.linear(x, w.k_proj), F.linear(x, w.v_proj)), dim=-1)   # [B, C]
+        f_a, b, g_a = F.linear(x, w.f_a_proj), F.linear(x, w.b_proj), F.linear(x, w.g_a_proj)
     qkv = conv_step(qkv, w.conv, kv.fixed_states(index, CONV, x.dtype), slots)      # [B, C]
     q, k, v = qkv.view(B, 3, H, D).unbind(1)                                          # [B, H, D] each
-    g, beta = kda_gate(F.linear(F.linear(x, w.f_a_proj), w.f_b_proj), F.linear(x, w.b_proj), w.A_log,
-                       w.dt_bias, c.linear_lower_bound)                               # [B, H, D], [B, H] float32
+    g, beta = kda_gate(F.linear(f_a, w.f_b_proj), b, w.A_log, w.dt_bias, c.linear_lower_bound)   # float32
     q = l2norm(q.float()) * (1 / D ** 0.5)                                            # as kda.py
     k = l2norm(k.float())
     out = recurrent_kda_step(q, k, v.float(), g, beta, kv.fixed_states(index, RECURRENT, torch.float32), slots)
-    gate = F.linear(F.linear(x, w.g_a_proj), w.g_b_proj).view(B, H, D)               # [B, H, D]
+    gate = F.linear(g_a, w.g_b_proj).view(B, H, D)                                   # [B, H, D]
     out = gated_norm(out.to(x.dtype), gate, w.o_norm, c.rms_norm_eps)
     return F.linear(out.reshape(B, H * D), w.o_proj)                                  # [B, E]
 

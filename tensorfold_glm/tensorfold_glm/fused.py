@@ -1,14 +1,31 @@
-"""A MoE layer's layout for the Triton path: the shared expert folded in as expert N of the routed experts' stacked
+"""Layouts for the Triton path: a MoE layer's shared expert folded in as expert N of the routed experts' stacked
 weights, so the grouped call runs it as one more pair of every row (tensorfold_qwen's `fuse_moe` does the same for
-Qwen). The old fields become views of the new storage: nothing is held twice, and the reference's products read
-the same values."""
+Qwen), and a KDA layer's six projections over x stacked into one matrix (`fuse_kda`). The old fields become views
+of the new storage: nothing is held twice, and the reference's products read the same values."""
 
 from __future__ import annotations
 
 import attrs
 import torch
 
+from tensorfold_glm.kda import KdaWeights
 from tensorfold_glm.mlp import MlpWeights, MoeWeights
+
+KDA_INPUTS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")   # fuse_kda's order of rows
+
+
+def fuse_kda(w: KdaWeights) -> KdaWeights:
+    """The layer with `inputs` [3·H·D + D + H + D, E] (KDA_INPUTS' rows in order) and those fields views of it;
+    unchanged when already stacked."""
+    if w.inputs is not None:
+        return w
+    whole = torch.cat([getattr(w, name) for name in KDA_INPUTS])
+    views, row = {}, 0
+    for name in KDA_INPUTS:
+        rows = getattr(w, name).shape[0]
+        views[name] = whole[row: row + rows]
+        row += rows
+    return attrs.evolve(w, inputs=whole, **views)
 
 
 def can_fold(w: MoeWeights) -> bool:

@@ -49,6 +49,9 @@ class KdaWeights:
     A_log: torch.Tensor                 # [H]           float32
     dt_bias: torch.Tensor               # [H·D]         float32
     o_norm: torch.Tensor                # [D]           o_norm.weight (plain, not zero-centred)
+    # The Triton path's stacked layout (fused.fuse_kda, at load; None: one GEMM each): q, k, v, f_a, b, g_a as row
+    # views of one matrix, so the decode step runs one GEMM over x where the forward runs six.
+    inputs: torch.Tensor | None = None  # [3·H·D + D + H + D, E]
 
 
 def kimi_delta_attention(w: KdaWeights, heads: int, head_dim: int, conv_kernel: int, eps: float,

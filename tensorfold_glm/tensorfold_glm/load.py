@@ -22,7 +22,7 @@ from tensorfold.checkpoint import Checkpoint, check_tensor_names, expected_tenso
 from tensorfold.kernels.backend import use_triton
 from tensorfold.shard import SINGLE, Shard
 from tensorfold_glm.config import LINEAR, SPARSE, GlmConfig
-from tensorfold_glm.fused import can_fold, fuse_moe
+from tensorfold_glm.fused import can_fold, fuse_kda, fuse_moe
 from tensorfold_glm.hc import HcWeights
 from tensorfold_glm.indexer import IndexerWeights
 from tensorfold_glm.kda import KdaWeights
@@ -138,8 +138,9 @@ def kda_weights(get: Get, has: Callable[[str], bool]) -> KdaWeights:
     projections = {name: get(f"self_attn.{name}.weight") for name in
                    ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
                     "o_proj")}
-    return KdaWeights(**projections, conv=conv.contiguous(), A_log=get("self_attn.A_log"),
-                      dt_bias=get("self_attn.dt_bias"), o_norm=get("self_attn.o_norm.weight"))
+    w = KdaWeights(**projections, conv=conv.contiguous(), A_log=get("self_attn.A_log"),
+                   dt_bias=get("self_attn.dt_bias"), o_norm=get("self_attn.o_norm.weight"))
+    return fuse_kda(w) if use_triton(w.q_proj) else w             # the decode step's one GEMM: the Triton path
 
 
 def mla_weights(get: Get, full_indexer: bool) -> MlaWeights:

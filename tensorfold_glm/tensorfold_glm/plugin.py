@@ -227,7 +227,8 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
                        f"gate + ape, probabilities cast to {act}, sum in {act}; pool_tail holds the LayerNorm'd "
                        "keys and gate logits of the incomplete pool"),
         "kda": (f"heads={c.linear_num_heads} head_dim={c.linear_head_dim} conv={c.linear_conv_kernel_dim} "
-                f"{bound}"),
+                f"{bound}; one-token rows: q, k, v, f_a, b, g_a in one GEMM and the block norms through the "
+                "rms_norm kernel where Triton runs"),
         "kda_state": f"recurrent float32, conv tail {act} (last {c.linear_conv_kernel_dim - 1} inputs of [q|k|v])",
         "kda_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {act}; 1-token steps recurrent",
         "experts": ("routing kernel (float32 sigmoid, biased group-limited top-k, ties to the lower index); the "
