@@ -8,6 +8,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from tensorfold.weights import stacked
 from tensorfold_glm.kda import KdaWeights
 from tensorfold_glm.mlp import MlpWeights, MoeWeights
 
@@ -19,13 +20,8 @@ def fuse_kda(w: KdaWeights) -> KdaWeights:
     unchanged when already stacked."""
     if w.inputs is not None:
         return w
-    whole = torch.cat([getattr(w, name) for name in KDA_INPUTS])
-    views, row = {}, 0
-    for name in KDA_INPUTS:
-        rows = getattr(w, name).shape[0]
-        views[name] = whole[row: row + rows]
-        row += rows
-    return attrs.evolve(w, inputs=whole, **views)
+    whole, views = stacked([getattr(w, name) for name in KDA_INPUTS])
+    return attrs.evolve(w, inputs=whole, **dict(zip(KDA_INPUTS, views, strict=True)))
 
 
 def can_fold(w: MoeWeights) -> bool:

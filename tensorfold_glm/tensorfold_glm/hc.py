@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kernels.backend import use_triton
+from tensorfold.kernels.rmsnorm import rms_norm as kernel_rms_norm
 
 
 @attrs.frozen
@@ -65,8 +66,6 @@ def step_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     seven torch ops; its 1/sqrt IEEE-rounded, so within an ulp of the torch ops, not their bits); elsewhere the
     torch ops themselves. x [N, D]."""
     if use_triton(x):
-        from tensorfold.kernels.rmsnorm import rms_norm as kernel_rms_norm
-
         return kernel_rms_norm(x, weight, eps, zero_centred=False, weight_after_cast=True)
     return rms_norm(x, weight, eps)
 

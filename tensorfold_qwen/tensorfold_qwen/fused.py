@@ -8,19 +8,10 @@ from __future__ import annotations
 import attrs
 import torch
 
+from tensorfold.weights import stacked
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.gdn import GdnWeights
 from tensorfold_qwen.mlp import MlpWeights, MoeWeights
-
-
-def stacked(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The parts [Ri, E] stacked along rows into one new matrix, and each part as a view of it."""
-    whole = torch.cat(parts)
-    views, row = [], 0
-    for part in parts:
-        views.append(whole[row: row + part.shape[0]])
-        row += part.shape[0]
-    return whole, views
 
 
 def fuse_mixer(mixer: GdnWeights | AttentionWeights) -> GdnWeights | AttentionWeights:
