@@ -100,15 +100,17 @@ def test_naive_prefill_is_dense_attention(start, T, H, KVH, D, Dv, R, dtype, dev
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("split_keys", [64, 512])
+@pytest.mark.parametrize("split_keys,spread", [(64, 32), (512, 32), (512, 1), (512, 3)])
 @pytest.mark.parametrize("lengths,H,KVH,D,Dv,R,dtype", DECODE)
-def test_triton_decode_matches_naive(lengths, H, KVH, D, Dv, R, dtype, split_keys, device):
-    """Small splits exercise the split merge; 512 is the default."""
+def test_triton_decode_matches_naive(lengths, H, KVH, D, Dv, R, dtype, split_keys, spread, device):
+    """Small splits and few-block spreads exercise the split merge; (512, 32) is the default, spread 1 one split
+    a stream up to 512 keys."""
     from tensorfold.kernels.paged_attention import triton_decode
     pool = Pool(lengths, R, KVH, D, Dv, dtype, device, seed=1)
     q = torch.randn(len(lengths), H, D).to(dtype).to(device)
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    out = triton_decode.paged_decode(q, pool.k, pool.v, pool.tables, lens, D ** -0.5, split_keys=split_keys)
+    out = triton_decode.paged_decode(q, pool.k, pool.v, pool.tables, lens, D ** -0.5, split_keys=split_keys,
+                                     spread=spread)
     _close(out, naive.paged_decode(q, pool.k, pool.v, pool.tables, lens, D ** -0.5))
 
 
@@ -125,12 +127,13 @@ def test_triton_decode_long_streams_split_at_512(device):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("path", ["naive", "triton"])
+@pytest.mark.parametrize("path", ["naive", "triton-64", "triton-spread-2"])
 def test_decode_is_batch_invariant(path, device):
-    """One stream's output alone equals its output at any place in batches of 1..16, bit for bit."""
+    """One stream's output alone equals its output at any place in batches of 1..16, bit for bit (spread 2: each
+    stream's split size follows its own length, 64 or 128 keys here)."""
     from tensorfold.kernels.paged_attention import triton_decode
     fn = naive.paged_decode if path == "naive" else triton_decode.paged_decode
-    kwargs = {} if path == "naive" else {"split_keys": 64}
+    kwargs = {"naive": {}, "triton-64": {"split_keys": 64}, "triton-spread-2": {"spread": 2}}[path]
     H, KVH, D, R = 4, 2, 16, 16
     others = [3, 150, 1, 47, 16, 96, 33, 120, 2, 64, 81, 17, 140, 9, 58]
     pool = Pool([70, *others], R, KVH, D, D, torch.bfloat16, device, seed=2)

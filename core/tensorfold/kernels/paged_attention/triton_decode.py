@@ -1,14 +1,17 @@
 """Paged decode attention in Triton: one query token per stream, split-K over the stream's own keys, then a
 fixed-order combine, so a stream's bits never depend on the batch around it.
 
-    pass 1, program (b, kv head, split j):  keys [j·SPLIT, min((j+1)·SPLIT, len_b)) of stream b, for the
+    pass 1, program (b, kv head, split j):  keys [j·S_b, min((j+1)·S_b, len_b)) of stream b, for the
         kv head's GROUP query heads at once (one K/V read serves the group); online softmax in fp32, base 2
         -> m_j (running max), l_j (sum of exp), acc_j (unnormalised output)                     [B, H, splits]
     pass 2, program (b, head):  M = max_j m_j;  out = Σ_j 2^(m_j - M) acc_j / Σ_j 2^(m_j - M) l_j, j in order
 
-The split size is a constant (SPLIT_KEYS), so a stream's splits, block order and reductions depend only on its
-own length: the same stream gives the same bits alone or in any batch. Keys past a stream's length (unused rows,
-padded table entries, NaN-poisoned pages) are never loaded: loads are masked and scores set to -inf before exp.
+A stream's split size S_b is a function of its own length alone: its keys spread over SPREAD splits, each a whole
+number of key blocks, at least one block and at most SPLIT_KEYS keys (so a short stream still occupies SPREAD
+programs a kv head, and a long one splits every SPLIT_KEYS keys). A stream's splits, block order and reductions
+thus depend only on its own length: the same stream gives the same bits alone or in any batch. Keys past a
+stream's length (unused rows, padded table entries, NaN-poisoned pages) are never loaded: loads are masked and
+scores set to -inf before exp.
 """
 
 from __future__ import annotations
@@ -17,23 +20,32 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_KEYS = 512      # keys per split: a stream of n keys runs cdiv(n, SPLIT_KEYS) splits, whatever the batch
+SPLIT_KEYS = 512      # keys per split at most: a stream of n keys runs at least cdiv(n, SPLIT_KEYS) splits
+SPREAD = 32           # splits a stream's keys spread over while a split stays under SPLIT_KEYS keys
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_size(length, SPLIT: tl.constexpr, SPREAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a stream of `length` keys: SPREAD splits of whole key blocks, within [BLOCK_N, SPLIT]."""
+    blocks = tl.cdiv(tl.cdiv(length, SPREAD), BLOCK_N)
+    return tl.minimum(tl.maximum(blocks, 1) * BLOCK_N, SPLIT)
 
 
 @triton.jit
 def _split_kernel(q, k_pages, v_pages, tables, lengths, part_m, part_l, part_acc, qk_scale, heads, splits,
                   s_qb, s_qh, s_qd, s_kp, s_kr, s_kh, s_kd, s_vp, s_vr, s_vh, s_vd, s_tb,
-                  GROUP: tl.constexpr, PAGE_ROWS: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr,
-                  DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                  GROUP: tl.constexpr, PAGE_ROWS: tl.constexpr, SPLIT: tl.constexpr, SPREAD: tl.constexpr,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """One split of one stream's keys for the query heads of one kv head."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lengths + b)
-    lo = split * SPLIT
-    hi = tl.minimum(lo + SPLIT, length)
+    size = _split_size(length, SPLIT, SPREAD, BLOCK_N)
+    lo = split * size
+    hi = tl.minimum(lo + size, length)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -77,11 +89,13 @@ def _split_kernel(q, k_pages, v_pages, tables, lengths, part_m, part_l, part_acc
 
 @triton.jit
 def _combine_kernel(part_m, part_l, part_acc, lengths, out, heads, splits, s_ob, s_oh, s_od,
-                    SPLIT: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+                    SPLIT: tl.constexpr, SPREAD: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
     """Merge one (stream, head)'s splits in split order; a stream with no keys reads zeros."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    used = tl.cdiv(tl.load(lengths + b), SPLIT)
+    length = tl.load(lengths + b)
+    used = tl.cdiv(length, _split_size(length, SPLIT, SPREAD, BLOCK_N))
     base = (b.to(tl.int64) * heads + h) * splits
     dv = tl.arange(0, BLOCK_DV)
     top = tl.full([], float("-inf"), tl.float32)
@@ -108,8 +122,10 @@ def _block_n(D: int, Dv: int, itemsize: int, block_g: int) -> tuple[int, int, in
 
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor, scale: float, split_keys: int = SPLIT_KEYS) -> torch.Tensor:
-    """Decode attention through page tables (inputs validated by the caller): [B, H, D] -> [B, H, Dv]."""
+                 lengths: torch.Tensor, scale: float, split_keys: int = SPLIT_KEYS, spread: int = SPREAD
+                 ) -> torch.Tensor:
+    """Decode attention through page tables (inputs validated by the caller): [B, H, D] -> [B, H, Dv]; a stream's
+    keys spread over `spread` splits of at most `split_keys` keys (module docstring)."""
     B, H, D = q.shape
     _, R, KVH, Dv = v_pages.shape
     if max(D, Dv) > 256:
@@ -122,17 +138,19 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     block_n, warps, stages = _block_n(D, Dv, q.element_size(), block_g)
     if split_keys % block_n:
         raise ValueError(f"split_keys {split_keys} is not a multiple of the key block {block_n}")
-    splits = max(1, triton.cdiv(tables.shape[1] * R, split_keys))                  # enough for the widest table
+    widest = tables.shape[1] * R
+    splits = max(1, min(spread, triton.cdiv(widest, block_n)), triton.cdiv(widest, split_keys))  # the most used
     part_m = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((B, H, splits, Dv), dtype=torch.float32, device=q.device)
     _split_kernel[(B, KVH, splits)](
         q, k_pages, v_pages, tables, lengths, part_m, part_l, part_acc, scale * LOG2E, H, splits,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), tables.stride(0),
-        GROUP=group, PAGE_ROWS=R, SPLIT=split_keys, D=D, DV=Dv, BLOCK_G=block_g,
+        GROUP=group, PAGE_ROWS=R, SPLIT=split_keys, SPREAD=spread, D=D, DV=Dv, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     _combine_kernel[(B, H)](
         part_m, part_l, part_acc, lengths, out, H, splits, *out.stride(),
-        SPLIT=split_keys, DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv), num_warps=1 if Dv <= 128 else 2)
+        SPLIT=split_keys, SPREAD=spread, BLOCK_N=block_n, DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+        num_warps=1 if Dv <= 128 else 2)
     return out
