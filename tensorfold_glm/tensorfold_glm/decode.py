@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from tensorfold.kernels.backend import triton_installed
 from tensorfold.kernels.kda import kda_gate, recurrent_kda_step, step_backend
-from tensorfold.kernels.kda.naive import l2norm
 from tensorfold.kernels.paged_write import write_rows
 from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch
@@ -107,9 +106,11 @@ def kda_step(w: KdaWeights, c: GlmConfig, x: torch.Tensor, slots: torch.Tensor, 
     qkv = conv_step(qkv, w.conv, kv.fixed_states(index, CONV, x.dtype), slots)      # [B, C]
     q, k, v = qkv.view(B, 3, H, D).unbind(1)                                          # [B, H, D] each
     g, beta = kda_gate(F.linear(f_a, w.f_b_proj), b, w.A_log, w.dt_bias, c.linear_lower_bound)   # float32
-    q = l2norm(q.float()) * (1 / D ** 0.5)                                            # as kda.py
-    k = l2norm(k.float())
-    out = recurrent_kda_step(q, k, v.float(), g, beta, kv.fixed_states(index, RECURRENT, torch.float32), slots)
+    # q and k l2-normalised and q scaled inside the step (on the CPU the same torch ops as kda.py, bit for bit;
+    # with fla, in its kernel: no launches of their own)
+    out = recurrent_kda_step(q.float(), k.float(), v.float(), g, beta,
+                             kv.fixed_states(index, RECURRENT, torch.float32), slots, scale=1 / D ** 0.5,
+                             qk_l2norm=True)
     gate = F.linear(g_a, w.g_b_proj).view(B, H, D)                                   # [B, H, D]
     out = gated_norm(out.to(x.dtype), gate, w.o_norm, c.rms_norm_eps)
     return F.linear(out.reshape(B, H * D), w.o_proj)                                  # [B, E]

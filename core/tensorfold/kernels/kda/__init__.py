@@ -39,7 +39,7 @@ __all__ = ["BACKENDS", "chunk_backend", "chunk_kda", "kda_gate", "recurrent_kda_
 
 BACKENDS = ("naive", "fla")
 MAX_HEAD_DIM = 256              # fla's chunked kernels stop there (DK); past it `backend=None` runs naive
-FLA_STEP_IN_PLACE = False       # the fla decode step: gather/scatter (False) or fla's in-place pool kernel (True)
+FLA_STEP_IN_PLACE = True        # the fla decode step: gather/scatter (False) or fla's in-place pool kernel (True)
 logger = logging.getLogger(__name__)
 
 
