@@ -64,11 +64,15 @@ def _first_attention(w) -> int:
 
 
 def ffn(w, h: torch.Tensor) -> torch.Tensor:
-    """The dense MLP, or the routed MoE's sync-free path."""
+    """The dense MLP (gate and up in one GEMM when stacked: the Triton path's layout), or the routed MoE's
+    sync-free path."""
     if isinstance(w, MoeWeights):
         from tensorfold_qwen.mlp import moe_routed
 
         return moe_routed(w, h)
+    if w.gate_up is not None:
+        gate_up, inner = F.linear(h, w.gate_up), w.down_proj.shape[1]                   # [N, 2F]
+        return F.linear(silu_mul(gate_up[:, :inner], gate_up[:, inner:]), w.down_proj)
     return F.linear(silu_mul(F.linear(h, w.gate_proj), F.linear(h, w.up_proj)), w.down_proj)
 
 

@@ -1,5 +1,6 @@
 """Input projections stacked into one matrix per layer, so the GPU decode step runs one GEMM where the reference
-runs four (GDN) or three (attention), and a MoE layer's fused layout (`fuse_moe`). The separate matrices become
+runs four (GDN) or three (attention) or two (a dense MLP's gate and up), and a MoE layer's fused layout
+(`fuse_moe`). The separate matrices become
 row views of the stacked one: nothing is held twice, and the reference's products are the same bits (a row block
 of a contiguous matrix is itself a contiguous matrix)."""
 
@@ -25,6 +26,14 @@ def fuse_mixer(mixer: GdnWeights | AttentionWeights) -> GdnWeights | AttentionWe
         return mixer
     whole, (q, k, v) = stacked([mixer.q_proj, mixer.k_proj, mixer.v_proj])
     return attrs.evolve(mixer, qkv=whole, q_proj=q, k_proj=k, v_proj=v)
+
+
+def fuse_mlp(w: MlpWeights) -> MlpWeights:
+    """A dense MLP with gate_proj and up_proj stacked into `gate_up` (unchanged when they already are)."""
+    if w.gate_up is not None:
+        return w
+    whole, (gate, up) = stacked([w.gate_proj, w.up_proj])
+    return attrs.evolve(w, gate_proj=gate, up_proj=up, gate_up=whole)
 
 
 def can_fold(shared: MlpWeights, down: torch.Tensor) -> bool:

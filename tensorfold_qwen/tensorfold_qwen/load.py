@@ -23,7 +23,7 @@ from tensorfold.kernels.backend import use_triton
 from tensorfold.shard import SINGLE, Shard
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.config import FULL, QwenConfig
-from tensorfold_qwen.fused import can_fold, fuse_moe
+from tensorfold_qwen.fused import can_fold, fuse_mlp, fuse_moe
 from tensorfold_qwen.gdn import GdnWeights
 from tensorfold_qwen.mlp import MlpWeights, MoeWeights
 from tensorfold_qwen.model import LayerWeights, QwenModel, Weights
@@ -161,7 +161,8 @@ def load(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, progr
 def build_weights(config: QwenConfig, found: dict[str, torch.Tensor]) -> Weights:
     """Arrange tensors named as in `expected_shapes` (either expert form) into the model's records (each taken
     out of `found` as it is used, so stacking per-expert tensors, or copying a layer's experts into the fused
-    layout on a Triton device (fused.fuse_moe), holds at most one layer's experts twice)."""
+    layout on a Triton device (fused.fuse_moe; a dense MLP's gate and up stacked, fused.fuse_mlp), holds at most one
+    layer's experts twice)."""
     layers = []
     for i, kind in enumerate(config.layer_types):
         def get(name: str, i: int = i) -> torch.Tensor:
@@ -199,7 +200,8 @@ def mlp_weights(get, prefix: str) -> MlpWeights:
 
 def ffn_weights(config: QwenConfig, get, has) -> MlpWeights | MoeWeights:
     if not config.moe:
-        return mlp_weights(get, "mlp.")
+        dense = mlp_weights(get, "mlp.")
+        return fuse_mlp(dense) if use_triton(dense.gate_proj) else dense   # the stacked layout: the Triton path
     if has("mlp.experts.gate_up_proj"):
         gate_up, down = get("mlp.experts.gate_up_proj"), get("mlp.experts.down_proj")
     else:

@@ -23,6 +23,9 @@ class MlpWeights:
     gate_proj: torch.Tensor             # [F, E]
     up_proj: torch.Tensor               # [F, E]
     down_proj: torch.Tensor             # [E, F]
+    # The GPU path's stacked layout (fused.fuse_mlp, at load; None: the two GEMMs): gate_proj and up_proj are
+    # row views of it, so nothing is held twice.
+    gate_up: torch.Tensor | None = None  # [2F, E]
 
 
 @attrs.frozen

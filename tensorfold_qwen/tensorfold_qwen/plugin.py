@@ -148,9 +148,9 @@ def family_state_image(config: Mapping[str, Any], layout: Layout) -> ImageFormat
 @hookimpl
 def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[str, str]:
     c = QwenConfig.from_dict(config)
-    experts = {"experts": experts_fact(c)} if c.moe else {}
+    ffn = {"experts": experts_fact(c)} if c.moe else {"mlp": "gate and up in one GEMM where Triton runs"}
     return {
-        **experts,
+        **ffn,
         "format": f"{IMAGE_FORMAT}/{IMAGE_VERSION}",
         "dtype": dtype_name(dtype),
         "schedule": c.schedule,
