@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[2048])
     parser.add_argument("--decode", action="store_true",
                         help="sweep the decode kind's candidates (16-row blocks) at each --rows, graph replays")
+    parser.add_argument("--deep", action="store_true",
+                        help="with --decode: sweep deeper K steps (E 128/256, F 64/128), 4/8 warps, 3-5 stages")
     parser.add_argument("--activation", default="relu2", choices=("relu2", "silu_gate"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -117,10 +119,12 @@ def sweep_decode(args: argparse.Namespace, T: int) -> None:
     results = [(timed(), "decode kind: " + str(base))]
     emit(args.out, bench="moe_tiles_decode", config=results[0][1], rows=T, ms=round(results[0][0], 4),
          gb_s=round(moved / results[0][0] / 1e6, 1))
-    for block_f, block_e, block_k, warps, stages in itertools.product((16, 32, 64), (32, 64), (64, 128), (2, 4),
-                                                                       (3,)):
-        cfg = attrs.evolve(base, block_f=block_f, block_e=block_e, block_k_e=block_k, block_k_f=min(block_k, 64),
-                           num_warps=warps, num_stages=stages)
+    grid = (itertools.product((32,), (32, 64), (128, 256), (4, 8), (3, 4, 5)) if args.deep else
+            itertools.product((16, 32, 64), (32, 64), (64, 128), (2, 4), (3,)))
+    for block_f, block_e, block_k, warps, stages in grid:
+        cfg = attrs.evolve(base, block_f=block_f, block_e=block_e, block_k_e=block_k,
+                           block_k_f=min(block_k // 2, 128) if args.deep else min(block_k, 64), num_warps=warps,
+                           num_stages=stages)
         tried(args, results, "moe_tiles_decode", cfg, timed, T, lambda ms: {
             "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 1)})
     for ms, name in sorted(results)[:5]:
