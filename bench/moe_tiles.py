@@ -5,6 +5,7 @@ chunk's rows, beside the "decode" and "prefill" kinds' own, one JSON line each (
     python bench/moe_tiles.py --hidden 2048 --inner 512 --experts 256 --top 8 --activation silu_gate
     python bench/moe_tiles.py --decode --rows 1 64 --hidden 2048 --inner 512 --experts 257 --top 9 \
         --activation silu_gate          # the "decode" kind's candidates, each timed as a CUDA graph replay
+    (add --profile: the decode kind's kernels under torch.profiler instead, µs a call each)
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ def main() -> None:
                         help="sweep the decode kind's candidates (16-row blocks) at each --rows, graph replays")
     parser.add_argument("--deep", action="store_true",
                         help="with --decode: sweep deeper K steps (E 128/256, F 64/128), 4/8 warps, 3-5 stages")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --decode: the decode kind's kernels under torch.profiler at each --rows, "
+                             "one moe_decode_kernel line per kernel (µs a call), instead of the sweep")
     parser.add_argument("--activation", default="relu2", choices=("relu2", "silu_gate"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.decode:
         for T in args.rows:
-            sweep_decode(args, T)
+            (decode_kernels if args.profile else sweep_decode)(args, T)
         return
     E, F, N, k, T = args.hidden, args.inner, args.experts, args.top, args.rows[0]
     dtype, device = torch.bfloat16, "cuda"
@@ -94,9 +98,8 @@ def tried(args: argparse.Namespace, results: list, bench: str, cfg, run, rows: i
     emit(args.out, bench=bench, config=str(cfg), rows=rows, **figures(ms))
 
 
-def sweep_decode(args: argparse.Namespace, T: int) -> None:
-    """The decode kind's config and its candidates at T rows (k pairs each, ids ascending as a routing kernel gives
-    them), each call captured in a CUDA graph and timed by its replays (a decode step is replayed so)."""
+def decode_inputs(args: argparse.Namespace, T: int) -> tuple[torch.Tensor, ...]:
+    """x, chosen (ids ascending, as a routing kernel gives them), weights, gate_up, down at T rows on the GPU."""
     E, F, N, k = args.hidden, args.inner, args.experts, args.top
     dtype, device = torch.bfloat16, "cuda"
     width = F if args.activation == "relu2" else 2 * F
@@ -105,6 +108,35 @@ def sweep_decode(args: argparse.Namespace, T: int) -> None:
     down = torch.randn(N, E, F, dtype=dtype, device=device) * F ** -0.5
     chosen = torch.rand(T, N, device=device).topk(k, dim=-1).indices.sort(dim=-1).values
     weights = torch.rand(T, k, device=device).to(dtype)
+    return x, chosen, weights, gate_up, down
+
+
+def decode_kernels(args: argparse.Namespace, T: int, calls: int = 50) -> None:
+    """The decode kind's launches at T rows, each kernel's device time a call (where the experts' time goes)."""
+    from profile_decode import kernel_totals  # bench/profile_decode.py, on sys.path here
+
+    x, chosen, weights, gate_up, down = decode_inputs(args, T)
+
+    def call() -> torch.Tensor:
+        return triton_moe.routed_experts(x, chosen, weights, gate_up, down, args.activation, ordered=True)
+
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    for name, (us, count) in sorted(kernel_totals(prof, calls).items(), key=lambda item: -item[1][0]):
+        emit(args.out, bench="moe_decode_kernel", rows=T, name=name[:90], us=round(us, 2), calls=count)
+
+
+def sweep_decode(args: argparse.Namespace, T: int) -> None:
+    """The decode kind's config and its candidates at T rows (k pairs each, ids ascending as a routing kernel gives
+    them), each call captured in a CUDA graph and timed by its replays (a decode step is replayed so)."""
+    E, F, N, k = args.hidden, args.inner, args.experts, args.top
+    dtype = torch.bfloat16
+    width = F if args.activation == "relu2" else 2 * F
+    x, chosen, weights, gate_up, down = decode_inputs(args, T)
     moved = (T * k if T * k < N else N) * (width * E + E * F) * 2          # weight bytes read, about
 
     def timed(config=None) -> float:
