@@ -53,14 +53,10 @@ def main() -> None:
         for T in args.rows:
             (decode_kernels if args.profile else sweep_decode)(args, T)
         return
-    E, F, N, k, T = args.hidden, args.inner, args.experts, args.top, args.rows[0]
-    dtype, device = torch.bfloat16, "cuda"
+    E, F, k, T = args.hidden, args.inner, args.top, args.rows[0]
+    dtype = torch.bfloat16
     width = F if args.activation == "relu2" else 2 * F
-    x = torch.randn(T, E, dtype=dtype, device=device)
-    gate_up = torch.randn(N, width, E, dtype=dtype, device=device) * E ** -0.5
-    down = torch.randn(N, E, F, dtype=dtype, device=device) * F ** -0.5
-    chosen = torch.rand(T, N, device=device).topk(k, dim=-1).indices
-    weights = torch.rand(T, k, device=device).to(dtype)
+    x, chosen, weights, gate_up, down = expert_inputs(args, T, ordered=False)
     flops = 2 * T * k * (E * width + F * E)
 
     def timed(**kw) -> float:
@@ -98,24 +94,25 @@ def tried(args: argparse.Namespace, results: list, bench: str, cfg, run, rows: i
     emit(args.out, bench=bench, config=str(cfg), rows=rows, **figures(ms))
 
 
-def decode_inputs(args: argparse.Namespace, T: int) -> tuple[torch.Tensor, ...]:
-    """x, chosen (ids ascending, as a routing kernel gives them), weights, gate_up, down at T rows on the GPU."""
+def expert_inputs(args: argparse.Namespace, T: int, ordered: bool = True) -> tuple[torch.Tensor, ...]:
+    """x, chosen (ordered: ids ascending, as a routing kernel gives them), weights, gate_up, down at T rows on the
+    GPU."""
     E, F, N, k = args.hidden, args.inner, args.experts, args.top
     dtype, device = torch.bfloat16, "cuda"
     width = F if args.activation == "relu2" else 2 * F
     x = torch.randn(T, E, dtype=dtype, device=device)
     gate_up = torch.randn(N, width, E, dtype=dtype, device=device) * E ** -0.5
     down = torch.randn(N, E, F, dtype=dtype, device=device) * F ** -0.5
-    chosen = torch.rand(T, N, device=device).topk(k, dim=-1).indices.sort(dim=-1).values
+    chosen = torch.rand(T, N, device=device).topk(k, dim=-1).indices
     weights = torch.rand(T, k, device=device).to(dtype)
-    return x, chosen, weights, gate_up, down
+    return x, chosen.sort(dim=-1).values if ordered else chosen, weights, gate_up, down
 
 
 def decode_kernels(args: argparse.Namespace, T: int, calls: int = 50) -> None:
     """The decode kind's launches at T rows, each kernel's device time a call (where the experts' time goes)."""
     from profile_decode import kernel_totals  # bench/profile_decode.py, on sys.path here
 
-    x, chosen, weights, gate_up, down = decode_inputs(args, T)
+    x, chosen, weights, gate_up, down = expert_inputs(args, T)
 
     def call() -> torch.Tensor:
         return triton_moe.routed_experts(x, chosen, weights, gate_up, down, args.activation, ordered=True)
@@ -136,7 +133,7 @@ def sweep_decode(args: argparse.Namespace, T: int) -> None:
     E, F, N, k = args.hidden, args.inner, args.experts, args.top
     dtype = torch.bfloat16
     width = F if args.activation == "relu2" else 2 * F
-    x, chosen, weights, gate_up, down = decode_inputs(args, T)
+    x, chosen, weights, gate_up, down = expert_inputs(args, T)
     moved = (T * k if T * k < N else N) * (width * E + E * F) * 2          # weight bytes read, about
 
     def timed(config=None) -> float:

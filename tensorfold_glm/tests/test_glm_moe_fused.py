@@ -151,7 +151,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch(triton_path, kind):
 
 # ---- the loader and the identity ------------------------------------------------------------------------------
 
-def test_the_loader_folds_for_a_triton_device_only(tmp_path, monkeypatch):
+def test_the_loader_folds_for_a_triton_device_only(tmp_path):
     """On the CPU the layers load as before; where Triton runs (stood in for here) every MoE layer gets the folded
     layout, holding the same values. The CPU reference's logits over it agree to float32 rounding, not bitwise (the
     CPU's BLAS may round a product by its operand's address, and the stacked copies sit elsewhere)."""
@@ -160,9 +160,7 @@ def test_the_loader_folds_for_a_triton_device_only(tmp_path, monkeypatch):
     plain = kit.load(family, tmp_path)
     moe_layers = [layer.ffn for layer in plain.model.weights.layers if isinstance(layer.ffn, MoeWeights)]
     assert moe_layers and all(ffn.experts_gate_up is None for ffn in moe_layers)
-    with monkeypatch.context() as mp:
-        mp.setattr(loader, "use_triton", lambda tensor: True)
-        fused = kit.load(family, tmp_path)
+    fused = kit.load_as_for_triton(family, tmp_path, loader)
     for mine, theirs in zip(fused.model.weights.layers, plain.model.weights.layers, strict=True):
         if not isinstance(theirs.ffn, MoeWeights):
             continue

@@ -45,15 +45,13 @@ def test_the_stacked_ffn_is_the_two_gemm_ffn():
     torch.testing.assert_close(decode.ffn(fuse_mlp(w), x), swiglu(w, x), rtol=1e-6, atol=1e-6)
 
 
-def test_the_loader_stacks_for_a_triton_device_only(tmp_path, monkeypatch):
+def test_the_loader_stacks_for_a_triton_device_only(tmp_path):
     family = load_families(["qwen"])["qwen"]
     plugin.write_tiny(tmp_path, seed=4)
     plan = StepPlan((StreamStep(0, 0, tuple(range(3, 20))),))
     plain = kit.load(family, tmp_path)
     assert all(layer.ffn.gate_up is None for layer in plain.model.weights.layers)
-    with monkeypatch.context() as mp:
-        mp.setattr(loader, "use_triton", lambda tensor: True)
-        stacked = kit.load(family, tmp_path)
+    stacked = kit.load_as_for_triton(family, tmp_path, loader)
     for mine, theirs in zip(stacked.model.weights.layers, plain.model.weights.layers, strict=True):
         assert mine.ffn.gate_up is not None
         assert torch.equal(mine.ffn.gate_up, torch.cat([theirs.ffn.gate_proj, theirs.ffn.up_proj]))

@@ -157,7 +157,7 @@ def write_checkpoint(directory, shared_f: int) -> None:
     write_tiny_weights(directory, loader.expected_shapes(QwenConfig.from_dict(config)), plugin.draw, seed=5)
 
 
-def test_the_loader_fuses_for_a_triton_device_only(tmp_path, monkeypatch):
+def test_the_loader_fuses_for_a_triton_device_only(tmp_path):
     """On the CPU the layers load as before; where Triton runs (stood in for here) every MoE layer gets the fused
     layout, the shared expert folded when its size is the experts', holding the same values. The reference's
     logits agree to float32 rounding, not bitwise: the CPU's BLAS may round a product by its operand's address
@@ -170,9 +170,7 @@ def test_the_loader_fuses_for_a_triton_device_only(tmp_path, monkeypatch):
         write_checkpoint(directory, shared_f)
         plain = kit.load(family, directory)
         assert all(layer.ffn.inputs is None for layer in plain.model.weights.layers)
-        with monkeypatch.context() as mp:
-            mp.setattr(loader, "use_triton", lambda tensor: True)
-            fused = kit.load(family, directory)
+        fused = kit.load_as_for_triton(family, directory, loader)
         for mine, theirs in zip(fused.model.weights.layers, plain.model.weights.layers, strict=True):
             assert mine.ffn.inputs is not None
             assert (mine.ffn.experts_gate_up is not None) == (shared_f == 32)

@@ -15,8 +15,10 @@ resume checks (and the engine gates) take as the truth is itself held to a refer
 from __future__ import annotations
 
 import itertools
+import unittest.mock
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 import attrs
@@ -68,6 +70,14 @@ def load(family: Family, directory: Path, dtype: torch.dtype = torch.float32, de
     declarations = family.declare(checkpoint.config, dtype)
     model = family.load(checkpoint, dtype, torch.device(device))
     return Subject(family, checkpoint, declarations, model, dtype, torch.device(device))
+
+
+def load_as_for_triton(family: Family, directory: Path, loader: ModuleType, dtype: torch.dtype = torch.float32
+                       ) -> Subject:
+    """`load` with the family's loader module told that Triton runs (its `use_triton` stood in): the weight layout
+    a GPU load builds, checked on this device."""
+    with unittest.mock.patch.object(loader, "use_triton", lambda tensor: True):
+        return load(family, directory, dtype)
 
 
 def prefill(subject: Subject, kv: KvStore, slot: int, tokens: Sequence[int], start: int, end: int,
