@@ -25,6 +25,7 @@ import torch
 from gpu import TensorsCheckpoint, emit, hardware, our_prefill, our_store, sync, timed
 
 from tensorfold.engine.graphs import has_decode
+from tensorfold.kernels import pdl
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold_glm.plugin import draw
@@ -147,7 +148,10 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--pdl", default="on", choices=("on", "off"),
+                        help="programmatic dependent launch for our kernels (kernels/pdl.py)")
     args = parser.parse_args()
+    pdl.ENABLED = args.pdl == "on"
     gpu.DEVICE = args.device
     torch.manual_seed(0)
     return args

@@ -4,6 +4,7 @@ process, against the machine's measured limits (copy bandwidth, bf16 GEMM peak).
 Prints one JSON line per measurement (and appends them to --out/gpu.jsonl):
     hardware   copy GB/s, bf16 TFLOP/s
     decode     tok/s at each batch, ours and HF; batch 1 as a fraction of the HBM limit
+    decode_pdl_ab  (--pdl ab) our decode at each batch with programmatic dependent launch on and off
     prefill    tok/s and MFU at each length, ours and HF
     memory     peak GPU bytes; KV/state bytes per token against the Layout's figure
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tensorfold.engine.graphs import DecodeRunner, has_decode
+from tensorfold.kernels import pdl
 from tensorfold.kv import PagedStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
@@ -282,7 +284,11 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode measurement")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--pdl", default="on", choices=("on", "off", "ab"),
+                        help="programmatic dependent launch for our kernels (kernels/pdl.py); ab: each decode batch "
+                             "also timed off, on, off, on in this process (a decode_pdl_ab line)")
     args = parser.parse_args()
+    pdl.ENABLED = args.pdl != "off"
     global DEVICE
     DEVICE = args.device
     torch.manual_seed(0)
@@ -318,6 +324,17 @@ def main() -> None:
                 record["hbm_limit_fraction"] = round(moved / bandwidth / ours_s, 3)
                 record["step_ms"] = round(ours_s * 1e3, 3)
             emit(args.out, **record)
+            if args.pdl == "ab":
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for on in (False, True, False, True):
+                    pdl.ENABLED = on
+                    times[on].append(our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk[0],
+                                                graphs=True))
+                pdl.ENABLED = True
+                best = {name: min(times[on]) for name, on in (("on", True), ("off", False))}
+                emit(args.out, bench="decode_pdl_ab", shape=args.shape, batch=batch,
+                     **{f"{name}_tok_s": round(batch / s, 1) for name, s in best.items()},
+                     **{f"{name}_step_ms": round(s * 1e3, 3) for name, s in best.items()})
         for rows in args.prefill:
             hf_s = hf_prefill_s.get(rows)
             flops = prefill_flops(read // 2, config, rows)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.rope.triton_rope import product
 from tensorfold.kernels.triton_rounding import round_to
 
@@ -69,8 +70,9 @@ def _inputs_kernel(proj, q_norm, k_norm, positions, inv_freq, q_out, k_flat, v_f
                    s_pn, s_qn, s_qh, s_kf, s_vf,
                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                   NORM_ROWS: tl.constexpr, LIBDEVICE: tl.constexpr):
+                   NORM_ROWS: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
     """One head of one row (module docstring)."""
+    pdl.ordered(PDL)
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     ty = q_out.dtype.element_ty
@@ -133,5 +135,5 @@ def attention_inputs(proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Ten
         H=H, KV=KV, D=D, HALF=half, BLOCK_D=block_d, NORM_ROWS=norm_rows,
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_PASS=triton.next_power_of_2(D - rotary_dim) if D > rotary_dim else 1,
-        LIBDEVICE=not _INTERPRETED, num_warps=warps)
+        LIBDEVICE=not _INTERPRETED, num_warps=warps, **pdl.options(proj))
     return q

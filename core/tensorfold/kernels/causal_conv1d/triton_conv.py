@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_rounding import round_to
 
 MAX_PREFILL_K = 4           # the prefill kernel keeps K-1 <= 3 rows of history in registers
@@ -93,9 +94,10 @@ def _prefill_kernel(x_ptr, w_ptr, b_ptr, tail_ptr, y_ptr, T, C,
 @triton.jit
 def _update_kernel(x_ptr, w_ptr, b_ptr, tails_ptr, slots_ptr, y_ptr, C,
                    stride_xb, stride_wc, stride_ts, stride_tc, stride_tk, stride_yb,
-                   K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+                   K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """One row of stream b: y = silu([tail | x] · w), and its tail (at tails[slots[b]]) shifts left by one.
     A negative slot is a padded row: no tail read or written, y = 0."""
+    pdl.ordered(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -156,5 +158,5 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, tails: torch.Ten
     _update_kernel[(B, triton.cdiv(C, block_c))](
         x, weight, bias if bias is not None else x, tails, slots, y, C,
         x.stride(0), weight.stride(0), tails.stride(0), tails.stride(1), tails.stride(2), y.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_C=block_c, num_warps=4)
+        K=K, HAS_BIAS=bias is not None, BLOCK_C=block_c, num_warps=4, **pdl.options(x))
     return y

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_V = 32        # value columns per program: DK x 32 float32 = 16 KiB of state at DK = 128
@@ -39,7 +40,9 @@ def _step_kernel(q, k, v, g, beta, states, slots, out, A_log, dt_bias,
                  stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
                  stride_ob, stride_oh, scale,
                  NV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATED: tl.constexpr):
+                 BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, GATED: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl.ordered(PDL)
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -108,5 +111,5 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        g.stride(0), beta.stride(0), out.stride(0), out.stride(1), scale,
                        NV=NV, GROUP=NV // NK, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=BV,
-                       L2NORM=qk_l2norm, GATED=gate is not None, num_warps=NUM_WARPS)
+                       L2NORM=qk_l2norm, GATED=gate is not None, num_warps=NUM_WARPS, **pdl.options(q))
     return out

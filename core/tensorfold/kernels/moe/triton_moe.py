@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.moe.alignment import Alignment, blocks_bound
 from tensorfold.kernels.moe.triton_align import align_grouped
 from tensorfold.kernels.triton_rounding import round_to
@@ -97,10 +98,11 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K_TOP,
                     s_xt, s_we, s_wf, s_wk, s_hm, limit, E: tl.constexpr, F: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    RELU2: tl.constexpr, CLAMP: tl.constexpr):
+                    RELU2: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr = False):
     """h[rows, f] = round(round(silu(g)) · u) for one expert block and F block; g, u rounded to h's dtype.
     RELU2: the weights are the up rows alone and h = round(relu(u)²). CLAMP: g <= limit, -limit <= u <= limit
     (each rounded to h's dtype again, as torch's clamp of a tensor in that dtype gives)."""
+    pdl.ordered(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= N:
@@ -146,9 +148,10 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, row_pair_ptr, block_expert_ptr, P, N, K
 def _down_kernel(h_ptr, w_ptr, weight_ptr, c_ptr, row_pair_ptr, block_expert_ptr, P, N,
                  s_hm, s_we, s_wn, s_wk, s_cp, E: tl.constexpr, F: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 WEIGH: tl.constexpr):
+                 WEIGH: tl.constexpr, PDL: tl.constexpr = False):
     """c[pair, n] = round(round(h @ down[e]ᵀ) · weight[pair]) for one expert block and E block (WEIGH false:
     round(h @ down[e]ᵀ), the weight left to the sum)."""
+    pdl.ordered(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= N:
@@ -188,10 +191,11 @@ def _weighted(c_ptr, expert_ptr, weight_ptr, pair, cols, col_ok, N, s_cp):
 
 @triton.jit
 def _sum_kernel(c_ptr, expert_ptr, weight_ptr, out_ptr, N, s_cp, s_ot, E: tl.constexpr, K_TOP: tl.constexpr,
-                BLOCK: tl.constexpr, F32_SUM: tl.constexpr, LAST_APART: tl.constexpr):
+                BLOCK: tl.constexpr, F32_SUM: tl.constexpr, LAST_APART: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = Σ_j c[t·k + j] in j order, rounded to out's dtype after each add (pairs of invalid experts skip).
     F32_SUM: Σ_j c · weight in float32, rounded once; LAST_APART (1): the row's last pair left out of that sum,
     then added as round(c · weight) and the sum rounded again."""
+    pdl.ordered(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < E
@@ -287,14 +291,14 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
         0.0 if limit is None else float(limit), E=E, F=F,
         BLOCK_M=cfg.block_m, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k_e, PRECISION=cfg.precision, RELU2=relu2,
-        CLAMP=limit is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CLAMP=limit is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x))
     _down_kernel[(blocks, triton.cdiv(E, cfg.block_e))](
         hidden, down, plan.weight, contrib, plan.row_pair, plan.block_expert, P, N,
         hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), contrib.stride(0), E=E, F=F,
         BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k_f, PRECISION=cfg.precision,
-        WEIGH=not float32_sum, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        WEIGH=not float32_sum, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(hidden))
     _sum_kernel[(T, triton.cdiv(E, cfg.block_sum))](
         contrib, plan.expert, plan.weight, out, N, contrib.stride(0), out.stride(0), E=E, K_TOP=k,
         BLOCK=cfg.block_sum, F32_SUM=float32_sum, LAST_APART=int(shared_last), num_warps=cfg.num_warps,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.options(contrib))
     return out

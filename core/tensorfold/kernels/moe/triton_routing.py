@@ -22,14 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_ieee import INTERPRETED, div, sigmoid
 from tensorfold.kernels.triton_rounding import round_to
 
 
 @triton.jit(do_not_specialize=["N"])
 def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, s_wt, s_ct,
-                  K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr):
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
     """weights[t], chosen[t] from logits[t] (and the shared gate logit shared[t] with SHARED)."""
+    pdl.ordered(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     valid = cols < N
@@ -68,7 +70,7 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
         gate = logits if shared is None else shared
         _route_kernel[(T,)](logits, gate, weights, chosen, N, logits.stride(0), gate.stride(0), weights.stride(0),
                             chosen.stride(0), K=k, BLOCK_N=block, SHARED=shared is not None,
-                            num_warps=1 if block <= 1024 else 4)
+                            num_warps=1 if block <= 1024 else 4, **pdl.options(logits))
     return weights, chosen
 
 
@@ -76,8 +78,9 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
 def _sigmoid_route_kernel(logit_ptr, bias_ptr, weight_ptr, chosen_ptr, N, S, s_lt, s_wt, s_ct, scale,
                           K: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                           BLOCK_S: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-                          LIBDEVICE: tl.constexpr):
+                          LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
     """weights[t], chosen[t] from logits[t]: expert g·S + s at [g, s] of the block (S experts a group)."""
+    pdl.ordered(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     s = tl.arange(0, BLOCK_S)[None, :]
@@ -134,5 +137,6 @@ def sigmoid_bias_top_k(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group
                                     weights.stride(0), chosen.stride(0), float(scale), K=k, GROUPS=n_group,
                                     TOPK_GROUP=topk_group, BLOCK_G=block_g, BLOCK_S=block_s, NORM=norm,
                                     SHARED=shared, LIBDEVICE=not INTERPRETED,
-                                    num_warps=1 if block_g * block_s <= 1024 else 4, enable_fp_fusion=False)
+                                    num_warps=1 if block_g * block_s <= 1024 else 4, enable_fp_fusion=False,
+                                    **pdl.options(logits))
     return weights, chosen

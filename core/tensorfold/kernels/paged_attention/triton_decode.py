@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
+
 SPLIT_KEYS = 512      # keys per split at most: a stream of n keys runs at least cdiv(n, SPLIT_KEYS) splits
 SPREAD = 32           # splits a stream's keys spread over while a split stays under SPLIT_KEYS keys
 LOG2E = 1.4426950408889634
@@ -37,8 +39,9 @@ def _split_kernel(q, k_pages, v_pages, tables, lengths, part_m, part_l, part_acc
                   s_qb, s_qh, s_qd, s_kp, s_kr, s_kh, s_kd, s_vp, s_vr, s_vh, s_vd, s_tb,
                   GROUP: tl.constexpr, PAGE_ROWS: tl.constexpr, SPLIT: tl.constexpr, SPREAD: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """One split of one stream's keys for the query heads of one kv head."""
+    pdl.ordered(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,8 +93,9 @@ def _split_kernel(q, k_pages, v_pages, tables, lengths, part_m, part_l, part_acc
 @triton.jit
 def _combine_kernel(part_m, part_l, part_acc, lengths, out, heads, splits, s_ob, s_oh, s_od,
                     SPLIT: tl.constexpr, SPREAD: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False):
     """Merge one (stream, head)'s splits in split order; a stream with no keys reads zeros."""
+    pdl.ordered(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lengths + b)
@@ -148,9 +152,9 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         *q.stride(), *k_pages.stride(), *v_pages.stride(), tables.stride(0),
         GROUP=group, PAGE_ROWS=R, SPLIT=split_keys, SPREAD=spread, D=D, DV=Dv, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl.options(q))
     _combine_kernel[(B, H)](
         part_m, part_l, part_acc, lengths, out, H, splits, *out.stride(),
         SPLIT=split_keys, SPREAD=spread, BLOCK_N=block_n, DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
-        num_warps=1 if Dv <= 128 else 2)
+        num_warps=1 if Dv <= 128 else 2, **pdl.options(part_m))
     return out

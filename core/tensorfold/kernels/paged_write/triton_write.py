@@ -6,11 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
+
 BLOCK = 1024
 
 
 @triton.jit
-def _write_kernel(flat, values, dest, width, stride_f, stride_v, BLOCK: tl.constexpr):
+def _write_kernel(flat, values, dest, width, stride_f, stride_v, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.ordered(PDL)
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(dest + i)
@@ -27,4 +30,4 @@ def write_rows(flat: torch.Tensor, values: torch.Tensor, dest: torch.Tensor) -> 
     if N == 0 or X == 0:
         return
     _write_kernel[(N, triton.cdiv(X, BLOCK))](flat, values, dest, X, flat.stride(0), values.stride(0),
-                                              BLOCK=BLOCK, num_warps=4)
+                                              BLOCK=BLOCK, num_warps=4, **pdl.options(flat))

@@ -11,15 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_rounding import round_to
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stride_r, stride_o, stride_s, eps,
                      ZERO_CENTRED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHT_AFTER_CAST: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """out = (x·rstd)·(1 + w | w); with a residual, x <- round(x + r) first and written to sum_ptr.
     WEIGHT_AFTER_CAST: out = w · round(x·rstd)."""
+    pdl.ordered(PDL)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)      # [BN]
     cols = tl.arange(0, BLOCK_D)                                                   # [BD]
     mask = (rows < N)[:, None] & (cols < D)[None, :]
@@ -44,9 +47,10 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stri
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_z, stride_o, eps,
                            z_heads, stride_zh,
                            ROUND_WN: tl.constexpr, Z_BY_HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """out = round(round_wn(w · round(x·rstd)) · silu(z)), rows of D (every head of every token). With
     Z_BY_HEAD, z's row r is head r % z_heads of token r // z_heads (strides stride_z, stride_zh)."""
+    pdl.ordered(PDL)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
@@ -69,8 +73,9 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, N, D, stride_x, stride_
 
 @triton.jit
 def _grouped_gated_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stride_o, eps,
-                          GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                          GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One (row, group): g = y·silu(z); out = round(w · round(g·rstd)) over the group's GROUP channels."""
+    pdl.ordered(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GROUP
@@ -114,7 +119,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred:
         _rms_norm_kernel[grid](x, r, weight, out, s, N, D, x.stride(0), r.stride(0), out.stride(0), s.stride(0),
                                float(eps), ZERO_CENTRED=zero_centred, HAS_RESIDUAL=residual is not None,
                                BLOCK_N=block_n, BLOCK_D=block_d, WEIGHT_AFTER_CAST=weight_after_cast,
-                               num_warps=num_warps)
+                               num_warps=num_warps, **pdl.options(x))
     return out if total is None else (out, total)
 
 
@@ -143,7 +148,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         block_n, block_d, num_warps, grid = _blocks(rows, D)
         _gated_rms_norm_kernel[grid](x, z, weight, out, rows, D, x.stride(0), z.stride(0), out.stride(0),
                                      float(eps), z_heads, stride_zh, ROUND_WN=round_wn, Z_BY_HEAD=by_head,
-                                     BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+                                     BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, **pdl.options(x))
     return out.view(shape)
 
 
@@ -158,5 +163,6 @@ def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tenso
         block = triton.next_power_of_2(group)
         num_warps = 4 if block <= 2048 else 8
         _grouped_gated_kernel[(rows, groups)](y, z, weight, out, y.stride(0), z.stride(0), out.stride(0),
-                                              float(eps), GROUP=group, BLOCK=block, num_warps=num_warps)
+                                              float(eps), GROUP=group, BLOCK=block, num_warps=num_warps,
+                                              **pdl.options(y))
     return out

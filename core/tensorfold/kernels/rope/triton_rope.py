@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_rounding import round_to
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"      # libdevice has no interpreter version
@@ -33,8 +34,9 @@ def product(a, b, LIBDEVICE: tl.constexpr):
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, H, D, stride_xn, stride_xh, stride_on, stride_oh,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                 LIBDEVICE: tl.constexpr):
+                 LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
     """out[n, h, :R] = rotate-half(x[n, h, :R]) at angle positions[n]·inv_freq; out[n, h, R:] = x[n, h, R:]."""
+    pdl.ordered(PDL)
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                     # [BH]
     half = tl.arange(0, BLOCK_HALF)                                                # [BR] columns of one half
@@ -79,5 +81,5 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     grid = (N, triton.cdiv(H, block_h))
     _rope_kernel[grid](x, positions, inv_freq.contiguous(), out, H, D, x.stride(0), x.stride(1),
                        out.stride(0), out.stride(1), HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                       BLOCK_PASS=block_pass, LIBDEVICE=not _INTERPRETED, num_warps=4)
+                       BLOCK_PASS=block_pass, LIBDEVICE=not _INTERPRETED, num_warps=4, **pdl.options(x))
     return out

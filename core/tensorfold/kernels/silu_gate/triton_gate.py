@@ -12,13 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_rounding import round_to
 
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, stride_g, stride_u, stride_o, limit,
-                     HAS_LIMIT: tl.constexpr, BLOCK_F: tl.constexpr):
+                     HAS_LIMIT: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
     """out = round(round(silu(g)) · u), with g <- min(g, L), u <- clamp(u, -L, L) first when limited."""
+    pdl.ordered(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < F
@@ -34,8 +36,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, stride_g, stride_u, stride_o, lim
 
 @triton.jit
 def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, F, stride_x, stride_g, stride_gf, stride_o,
-                        BLOCK_F: tl.constexpr):
+                        BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
     """out = round(x · round(sigmoid(g))); stride_gf = 0 broadcasts one gate over a row."""
+    pdl.ordered(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < F
@@ -66,7 +69,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -
         block_f, grid = _grid(N, F)
         _silu_mul_kernel[grid](gate, up, out, F, gate.stride(0), up.stride(0), out.stride(0),
                                0.0 if limit is None else float(limit), HAS_LIMIT=limit is not None,
-                               BLOCK_F=block_f, num_warps=4)
+                               BLOCK_F=block_f, num_warps=4, **pdl.options(gate))
     return out
 
 
@@ -80,5 +83,5 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if out.numel():
         block_f, grid = _grid(N, F)
         _sigmoid_mul_kernel[grid](x, gate, out, F, x.stride(0), gate.stride(0), 0 if broadcast else 1,
-                                  out.stride(0), BLOCK_F=block_f, num_warps=4)
+                                  out.stride(0), BLOCK_F=block_f, num_warps=4, **pdl.options(x))
     return out

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_P = 16        # head-dim rows per program: 16 x N float32 = 8 KiB of state at N = 128
@@ -50,7 +51,9 @@ def _softplus(v, LIBDEVICE: tl.constexpr):
 def _step_kernel(x, dt, A, B, C, states, slots, out, dt_bias, D, dt_min, dt_max,
                  stride_xb, stride_xh, stride_dtb, stride_bb, stride_bg, stride_cb, stride_cg, stride_ob, stride_oh,
                  H: tl.constexpr, GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                 BP: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
+                 BP: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
+    pdl.ordered(PDL)
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
@@ -124,5 +127,5 @@ def _launch(x, dt, A, B, C, states, slots, gated) -> torch.Tensor:
                        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
                        out.stride(0), out.stride(1),
                        H=H, GROUP=H // G, P=P, N=N, BP=BP, BN=triton.next_power_of_2(N),
-                       GATED=gated is not None, LIBDEVICE=not _INTERPRETED, num_warps=NUM_WARPS)
+                       GATED=gated is not None, LIBDEVICE=not _INTERPRETED, num_warps=NUM_WARPS, **pdl.options(x))
     return out
