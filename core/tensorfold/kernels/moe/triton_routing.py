@@ -29,7 +29,8 @@ from tensorfold.kernels.triton_rounding import round_to
 
 @triton.jit(do_not_specialize=["N"])
 def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, s_wt, s_ct,
-                  K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """weights[t], chosen[t] from logits[t] (and the shared gate logit shared[t] with SHARED)."""
     pdl.ordered(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -46,11 +47,15 @@ def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, 
         taken = taken | (cols == first)
     ty = weight_ptr.dtype.element_ty
     w = round_to(p / tl.sum(tl.where(taken, p, 0.0), 0), ty)
-    for j in tl.static_range(K):
-        first = tl.min(tl.where(taken, cols, BLOCK_N), 0)
-        tl.store(chosen_ptr + t * s_ct + j, first.to(tl.int64))
-        tl.store(weight_ptr + t * s_wt + j, tl.sum(tl.where(cols == first, w, 0.0), 0).to(ty))
-        taken = taken & (cols != first)
+    # the chosen in ascending id order: a chosen column's place is the count of chosen columns up to it (one scan,
+    # not k rounds of a reduction); places past the count (fewer than k chosen) get (BLOCK_N, 0), an id no expert has
+    place = tl.cumsum(taken.to(tl.int32), 0) - 1
+    tl.store(chosen_ptr + t * s_ct + place, cols.to(tl.int64), mask=taken)
+    tl.store(weight_ptr + t * s_wt + place, w.to(ty), mask=taken)
+    rest = tl.arange(0, BLOCK_K)
+    missing = (rest >= tl.sum(taken.to(tl.int32), 0)) & (rest < K)
+    tl.store(chosen_ptr + t * s_ct + rest, tl.full([BLOCK_K], BLOCK_N, tl.int64), mask=missing)
+    tl.store(weight_ptr + t * s_wt + rest, tl.zeros([BLOCK_K], tl.float32).to(ty), mask=missing)
     if SHARED:
         s = tl.load(shared_ptr + t * s_st).to(tl.float32)
         tl.store(chosen_ptr + t * s_ct + K, N.to(tl.int64))
@@ -70,6 +75,7 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
         gate = logits if shared is None else shared
         _route_kernel[(T,)](logits, gate, weights, chosen, N, logits.stride(0), gate.stride(0), weights.stride(0),
                             chosen.stride(0), K=k, BLOCK_N=block, SHARED=shared is not None,
+                            BLOCK_K=triton.next_power_of_2(k),
                             num_warps=1 if block <= 1024 else 4, **pdl.options(logits))
     return weights, chosen
 
