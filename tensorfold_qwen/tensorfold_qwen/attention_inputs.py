@@ -106,7 +106,7 @@ def _inputs_kernel(proj, q_norm, k_norm, positions, inv_freq, q_out, k_flat, v_f
 
 
 def norm_tile(D: int) -> tuple[int, int, int]:
-    """(BLOCK_D, rows, warps) of core's rms_norm launch over rows of D (its `_blocks` rule): the tile the sum of
+    """(BLOCK_D, rows, warps) of core's rms_norm launch over rows of D (its `blocks` rule): the tile the sum of
     squares is taken in."""
     block_d = triton.next_power_of_2(D)
     rows = max(1, min(64, 2048 // block_d))

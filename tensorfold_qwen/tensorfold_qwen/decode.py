@@ -33,7 +33,7 @@ from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch
 from tensorfold_qwen.attention import AttentionWeights
 from tensorfold_qwen.gdn import GdnWeights
-from tensorfold_qwen.mlp import MoeWeights
+from tensorfold_qwen.mlp import MoeWeights, moe_then_norm
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
 
@@ -53,9 +53,14 @@ def decode(model, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
             mixed = attention(layer.mixer, c, h, batch.positions, batch.tables, dest, lengths, index, kv,
                               model.inv_freq)
         h, x = rms_norm(model.shard.reduce(mixed), layer.post_norm, c.rms_norm_eps, zero_centred=True, residual=x)
-        out = model.shard.reduce(ffn(layer.ffn, h))
         following = w.layers[index + 1].input_norm if index + 1 < len(w.layers) else w.norm
-        h, x = rms_norm(out, following, c.rms_norm_eps, zero_centred=True, residual=x)
+        joined = None
+        if isinstance(layer.ffn, MoeWeights) and model.shard.world == 1:
+            joined = moe_then_norm(layer.ffn, h, x, following, c.rms_norm_eps)   # the sum and the norm in one launch
+        if joined is None:
+            out = model.shard.reduce(ffn(layer.ffn, h))
+            joined = rms_norm(out, following, c.rms_norm_eps, zero_centred=True, residual=x)
+        h, x = joined
     return F.linear(h, w.lm_head).float()
 
 

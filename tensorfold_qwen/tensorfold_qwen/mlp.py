@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kernels.backend import use_triton
-from tensorfold.kernels.moe import routed_experts, softmax_top_k
+from tensorfold.kernels.moe import routed_experts, routed_experts_norm, softmax_top_k
 from tensorfold.kernels.silu_gate import sigmoid_mul, silu_mul
 
 
@@ -89,6 +89,21 @@ def moe_routed(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Te
         return moe_fused(w, x, kind)
     weights, chosen = route(w, x)
     return routed_experts(x, chosen, weights, w.gate_up, w.down, kind=kind) + shared_expert(w, x)
+
+
+def moe_then_norm(w: MoeWeights, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's MoE layer on the folded fused path ending in the next norm, (that norm's output, residual +
+    the layer's output) as `rms_norm(moe_fused(w, x), norm_weight, eps, zero_centred=True, residual=residual)`
+    gives them, the experts' sum, the add and the norm in one launch (kernels.moe.routed_experts_norm; the same
+    bits); None where that path does not apply (not Triton, not folded)."""
+    if w.inputs is None or w.experts_gate_up is None or not use_triton(x):
+        return None
+    N = w.router.shape[0]
+    proj = F.linear(x, w.inputs)                                        # [T, N + 1]
+    weights, chosen = softmax_top_k(proj[:, :N], w.top_k, proj[:, N:N + 1])
+    return routed_experts_norm(x, chosen, weights, w.experts_gate_up, w.experts_down, residual, norm_weight, eps,
+                               zero_centred=True, ordered=True)
 
 
 def moe_fused(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Tensor:

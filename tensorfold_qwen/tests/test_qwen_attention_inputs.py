@@ -99,5 +99,5 @@ def test_the_norm_tile_is_the_rms_norm_launchs(D):
     from tensorfold.kernels.rmsnorm import triton_rmsnorm
     from tensorfold_qwen.attention_inputs import norm_tile
 
-    block_n, block_d, warps, _ = triton_rmsnorm._blocks(7, D)
+    block_n, block_d, warps, _ = triton_rmsnorm.blocks(7, D)
     assert norm_tile(D) == (block_d, block_n, warps)

@@ -148,6 +148,22 @@ def test_a_rows_bits_do_not_depend_on_its_batch(triton_path, kind):
     assert torch.equal(mlp.moe_routed(w, x[5:14], kind), whole[5:14])
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layer_and_the_next_norm_in_one_launch_keep_the_bits(triton_path, dtype):
+    """mlp.moe_then_norm (folded): the next norm's output and the residual bit for bit those of moe_fused then
+    rms_norm with the residual (Triton's); where the shared expert is apart it declines (None)."""
+    from tensorfold.kernels.rmsnorm import triton_rmsnorm
+    w = fuse_moe(weights(dtype, F_EXPERT, seed=3), fold=True)
+    x, residual = rows(5, dtype, seed=31), rows(5, dtype, seed=32)
+    norm_weight = rows(1, dtype, seed=33)[0] * 0.1
+    got = mlp.moe_then_norm(w, x, residual, norm_weight, 1e-6)
+    want = triton_rmsnorm.rms_norm(mlp.moe_fused(w, x), norm_weight, 1e-6, zero_centred=True, residual=residual)
+    assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    apart = fuse_moe(weights(dtype, 48, seed=3), fold=False)
+    assert mlp.moe_then_norm(apart, x, residual, norm_weight, 1e-6) is None
+
+
 # ---- the loader and the identity ------------------------------------------------------------------------------
 
 def write_checkpoint(directory, shared_f: int) -> None:

@@ -36,7 +36,8 @@ import torch
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.moe.routing import sigmoid_bias_top_k, softmax_top_k
 
-__all__ = ["ACTIVATIONS", "KINDS", "TILES", "routed_experts", "sigmoid_bias_top_k", "softmax_top_k"]
+__all__ = ["ACTIVATIONS", "KINDS", "TILES", "routed_experts", "routed_experts_norm", "sigmoid_bias_top_k",
+           "softmax_top_k"]
 
 # The Triton path's tiles, for a family's identity facts: a state kept under other tiles is not resumed.
 TILES = "triton tiles: decode 16-row blocks, 32-wide F and E tiles, bf16 E steps of 128; prefill 128-row blocks"
@@ -118,3 +119,28 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"routed_experts: chosen holds expert ids outside [0, {N})")
     from tensorfold.kernels.moe import naive
     return naive.routed_experts(x, chosen, weights, gate_up, down, activation, limit, float32_sum, shared_last)
+
+
+def routed_experts_norm(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                        down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
+                        zero_centred: bool, kind: str = "decode", ordered: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm(routed_experts(x, ...), norm_weight, eps, zero_centred=..., residual=residual)`: a MoE layer's
+    output added to the residual stream and normalised for the next layer, (out, residual + output), each [T, E].
+    The Triton path runs the experts' sum, the add and the norm in one launch (triton_sum_norm), the same bits as
+    the two calls; the naive path is the two calls. The default sum and activation only (silu_gate, no limit)."""
+    check(x, chosen, weights, gate_up, down)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"routed_experts_norm: residual must be {list(x.shape)} {x.dtype} on {x.device}, "
+                         f"got {list(residual.shape)} {residual.dtype} on {residual.device}")
+    if kind not in KINDS:
+        raise ValueError(f"routed_experts_norm: kind must be one of {KINDS}, got {kind!r}")
+    if use_triton(x) and x.shape[1] > 0 and gate_up.shape[1] > 0:
+        from tensorfold.kernels.moe import triton_moe, triton_sum_norm
+        contrib, plan = triton_moe.contributions(x, chosen, weights, gate_up, down, kind=kind, ordered=ordered)
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        return triton_sum_norm.sum_then_norm(contrib, plan.expert, gate_up.shape[0], chosen.shape[1], residual,
+                                             norm_weight, eps, zero_centred)
+    from tensorfold.kernels.rmsnorm import rms_norm
+    out = routed_experts(x, chosen, weights, gate_up, down, kind=kind, ordered=ordered)
+    return rms_norm(out, norm_weight, eps, zero_centred=zero_centred, residual=residual)

@@ -261,14 +261,12 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
                      block_expert=block_expert)
 
 
-def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
-                   config: Config | None = None, limit: float | None = None, ordered: bool = False,
-                   float32_sum: bool = False, shared_last: bool = False) -> torch.Tensor:
-    """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
-    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's; `limit` clamps the SwiGLU;
-    `ordered`: each row's ids ascending and in range (align); `float32_sum`, `shared_last`: the sum's modes
-    (module docstring)."""
+def contributions(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode", config: Config | None = None,
+                  limit: float | None = None, ordered: bool = False, float32_sum: bool = False
+                  ) -> tuple[torch.Tensor, Alignment]:
+    """The gate_up and down launches of `routed_experts`: each pair's output c [T·k, E] (weighted unless
+    float32_sum) and the alignment (its `expert` names each pair's expert, N or more where it adds nothing)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
@@ -276,16 +274,13 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     k = chosen.shape[1]
     relu2 = activation == "relu2"
     N, F = gate_up.shape[0], gate_up.shape[1] if relu2 else gate_up.shape[1] // 2
-    out = torch.empty_like(x)
-    if T == 0 or E == 0:
-        return out
-    if F == 0:
-        return out.zero_()
     cfg = config or config_for(E, F, x.dtype, kind)
     plan = align(chosen, weights, N, cfg.block_m, cfg.grouped_only, ordered)
     P, blocks = T * k, plan.block_expert.shape[0]
-    hidden = torch.empty((blocks * cfg.block_m, F), dtype=x.dtype, device=x.device)
     contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
+    if F == 0:
+        return contrib.zero_(), plan
+    hidden = torch.empty((blocks * cfg.block_m, F), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(F, cfg.block_f))](
         x, gate_up, hidden, plan.row_pair, plan.block_expert, P, N, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), hidden.stride(0),
@@ -297,6 +292,28 @@ def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         hidden.stride(0), down.stride(0), down.stride(1), down.stride(2), contrib.stride(0), E=E, F=F,
         BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k_f, PRECISION=cfg.precision,
         WEIGH=not float32_sum, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(hidden))
+    return contrib, plan
+
+
+def routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, activation: str = "silu_gate", kind: str = "decode",
+                   config: Config | None = None, limit: float | None = None, ordered: bool = False,
+                   float32_sum: bool = False, shared_last: bool = False) -> torch.Tensor:
+    """Launcher: x [T, E], chosen [T, k], weights [T, k], gate_up [N, 2F, E] ([N, F, E] for relu2),
+    down [N, E, F] -> [T, E]; `config` (a benchmark's tile sweep) replaces the kind's; `limit` clamps the SwiGLU;
+    `ordered`: each row's ids ascending and in range (align); `float32_sum`, `shared_last`: the sum's modes
+    (module docstring)."""
+    T, E = x.shape
+    k = chosen.shape[1]
+    N, F = gate_up.shape[0], gate_up.shape[1] if activation == "relu2" else gate_up.shape[1] // 2
+    out = torch.empty((T, E), dtype=x.dtype, device=x.device)
+    if T == 0 or E == 0:
+        return out
+    if F == 0:
+        return out.zero_()
+    cfg = config or config_for(E, F, x.dtype, kind)
+    contrib, plan = contributions(x, chosen, weights, gate_up, down, activation, kind, cfg, limit, ordered,
+                                  float32_sum)
     _sum_kernel[(T, triton.cdiv(E, cfg.block_sum))](
         contrib, plan.expert, plan.weight, out, N, contrib.stride(0), out.stride(0), E=E, K_TOP=k,
         BLOCK=cfg.block_sum, F32_SUM=float32_sum, LAST_APART=int(shared_last), num_warps=cfg.num_warps,

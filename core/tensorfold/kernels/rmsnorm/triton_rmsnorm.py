@@ -32,6 +32,15 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, D, stride_x, stri
         r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = round_to(x + r, ty)
         tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    normalise_rows(x, rows, cols, mask, w_ptr, out_ptr, stride_o, D, eps, ZERO_CENTRED, WEIGHT_AFTER_CAST)
+
+
+@triton.jit
+def normalise_rows(x, rows, cols, mask, w_ptr, out_ptr, stride_o, D, eps, ZERO_CENTRED: tl.constexpr,
+                   WEIGHT_AFTER_CAST: tl.constexpr):
+    """The norm of float32 rows x [BN, BD] written to out: one body for every kernel that ends in this norm
+    (the plain one above, the experts' sum-and-norm), so a row's bits are the same from each."""
+    ty = out_ptr.dtype.element_ty
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))           # [BN]
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
@@ -89,7 +98,7 @@ def _grouped_gated_kernel(y_ptr, z_ptr, w_ptr, out_ptr, stride_y, stride_z, stri
     tl.store(out_ptr + row * stride_o + cols, round_to(w * normed, ty), mask=mask)
 
 
-def _blocks(N: int, D: int) -> tuple[int, int, int, tuple[int]]:
+def blocks(N: int, D: int) -> tuple[int, int, int, tuple[int]]:
     """BLOCK_N, BLOCK_D, num_warps and grid: whole rows, about 2k-4k elements per program."""
     block_d = triton.next_power_of_2(D)
     block_n = max(1, min(64, 2048 // block_d))
@@ -115,7 +124,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred:
     if N > 0 and D > 0:
         r = x if residual is None else _rows(residual)
         s = out if total is None else total
-        block_n, block_d, num_warps, grid = _blocks(N, D)
+        block_n, block_d, num_warps, grid = blocks(N, D)
         _rms_norm_kernel[grid](x, r, weight, out, s, N, D, x.stride(0), r.stride(0), out.stride(0), s.stride(0),
                                float(eps), ZERO_CENTRED=zero_centred, HAS_RESIDUAL=residual is not None,
                                BLOCK_N=block_n, BLOCK_D=block_d, WEIGHT_AFTER_CAST=weight_after_cast,
@@ -145,7 +154,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     out = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     if rows > 0 and D > 0:
         round_wn = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
-        block_n, block_d, num_warps, grid = _blocks(rows, D)
+        block_n, block_d, num_warps, grid = blocks(rows, D)
         _gated_rms_norm_kernel[grid](x, z, weight, out, rows, D, x.stride(0), z.stride(0), out.stride(0),
                                      float(eps), z_heads, stride_zh, ROUND_WN=round_wn, Z_BY_HEAD=by_head,
                                      BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, **pdl.options(x))
