@@ -91,6 +91,14 @@ def moe_routed(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Te
     return routed_experts(x, chosen, weights, w.gate_up, w.down, kind=kind) + shared_expert(w, x)
 
 
+def folded_pairs(w: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded layout's routing: one GEMM for the router and the shared gate (inputs [N + 1, E]), then the
+    routing kernel: (weights, chosen) [T, k + 1], the shared expert's pair (N, sigmoid(gate)) last."""
+    N = w.router.shape[0]
+    proj = F.linear(x, w.inputs)                                        # [T, N + 1]
+    return softmax_top_k(proj[:, :N], w.top_k, proj[:, N:N + 1])
+
+
 def moe_then_norm(w: MoeWeights, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A decode step's MoE layer on the folded fused path ending in the next norm, (that norm's output, residual +
@@ -99,9 +107,7 @@ def moe_then_norm(w: MoeWeights, x: torch.Tensor, residual: torch.Tensor, norm_w
     bits); None where that path does not apply (not Triton, not folded)."""
     if w.inputs is None or w.experts_gate_up is None or not use_triton(x):
         return None
-    N = w.router.shape[0]
-    proj = F.linear(x, w.inputs)                                        # [T, N + 1]
-    weights, chosen = softmax_top_k(proj[:, :N], w.top_k, proj[:, N:N + 1])
+    weights, chosen = folded_pairs(w, x)
     return routed_experts_norm(x, chosen, weights, w.experts_gate_up, w.experts_down, residual, norm_weight, eps,
                                zero_centred=True, ordered=True)
 
@@ -112,12 +118,12 @@ def moe_fused(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Ten
     the lowest index), then the grouped experts; folded, the shared expert is their expert N with weight
     sigmoid(shared_gate·x), the last pair of every row, so it is summed after the routed experts as `moe` adds it.
     Within the bf16/fp32 tolerances of `moe` (docs/families/qwen.md), not bitwise: other dot orders."""
-    N = w.router.shape[0]
-    proj = F.linear(x, w.inputs)                                        # [T, N + 1 (+ 2·Fs)]
-    gate = proj[:, N:N + 1]                                             # [T, 1] the shared expert's gate logit
     if w.experts_gate_up is not None:
-        weights, chosen = softmax_top_k(proj[:, :N], w.top_k, gate)     # [T, k + 1]: (N, sigmoid(gate)) last
+        weights, chosen = folded_pairs(w, x)
         return routed_experts(x, chosen, weights, w.experts_gate_up, w.experts_down, kind=kind, ordered=True)
+    N = w.router.shape[0]
+    proj = F.linear(x, w.inputs)                                        # [T, N + 1 + 2·Fs]
+    gate = proj[:, N:N + 1]                                             # [T, 1] the shared expert's gate logit
     weights, chosen = softmax_top_k(proj[:, :N], w.top_k)               # [T, k]
     Fs = w.shared.gate_proj.shape[0]
     hidden = silu_mul(proj[:, N + 1:N + 1 + Fs], proj[:, N + 1 + Fs:])  # [T, Fs]
