@@ -4,7 +4,7 @@ process, against the machine's measured limits (copy bandwidth, bf16 GEMM peak).
 Prints one JSON line per measurement (and appends them to --out/gpu.jsonl):
     hardware   copy GB/s, bf16 TFLOP/s
     decode     tok/s at each batch, ours and HF; batch 1 as a fraction of the HBM limit
-    decode_pdl_ab  (--pdl ab) our decode at each batch with programmatic dependent launch on and off
+    decode_<switch>_ab  (--pdl ab, --linear-norm ab: SWITCHES) our decode at each batch with the switch on and off
     prefill    tok/s and MFU at each length, ours and HF
     memory     peak GPU bytes; KV/state bytes per token against the Layout's figure
 
@@ -14,6 +14,7 @@ Prints one JSON line per measurement (and appends them to --out/gpu.jsonl):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tensorfold.engine.graphs import DecodeRunner, has_decode
-from tensorfold.kernels import pdl
+from tensorfold.kernels import linear_norm, pdl
 from tensorfold.kv import PagedStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
@@ -187,6 +188,29 @@ def our_store(layout, streams: int, rows: int, page_rows: int = 256) -> PagedSto
     return store
 
 
+# A/B switches: a flag each (on, off or ab), the module constant it sets, what it turns on or off.
+SWITCHES = {
+    "pdl": (pdl, "ENABLED", "programmatic dependent launch for our kernels (kernels/pdl.py)"),
+    "linear_norm": (linear_norm, "ENABLED", "the decode step's few-row projections as a Triton GEMV, the output "
+                    "projection fused with the residual add and the norm (kernels/linear_norm)"),
+}
+
+
+def switch_ab(args: argparse.Namespace, name: str, decode_s, batch: int) -> None:
+    """The decode timed with the switch off, on, off, on (graphs captured anew each time); each side's best as one
+    decode_<name>_ab line; the switch is then set back as the flags set it."""
+    module, attribute, _ = SWITCHES[name]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for on in (False, True, False, True):
+        setattr(module, attribute, on)
+        times[on].append(decode_s())
+    setattr(module, attribute, getattr(args, name) != "off")
+    best = {side: min(times[on]) for side, on in (("on", True), ("off", False))}
+    emit(args.out, bench=f"decode_{name}_ab", shape=args.shape, batch=batch,
+         **{f"{side}_tok_s": round(batch / s, 1) for side, s in best.items()},
+         **{f"{side}_step_ms": round(s * 1e3, 3) for side, s in best.items()})
+
+
 def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int, graphs: bool) -> float:
     """Seconds per decode step for `batch` streams after a `prompt`-row prefill each, through the engine's decode
     runner (CUDA graph replay, or the same decode eagerly)."""
@@ -284,11 +308,13 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode measurement")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--pdl", default="on", choices=("on", "off", "ab"),
-                        help="programmatic dependent launch for our kernels (kernels/pdl.py); ab: each decode batch "
-                             "also timed off, on, off, on in this process (a decode_pdl_ab line)")
+    for name, (_, _, what) in SWITCHES.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", default="on", choices=("on", "off", "ab"),
+                            help=f"{what}; ab: each decode batch also timed off, on, off, on in this process "
+                                 f"(a decode_{name}_ab line)")
     args = parser.parse_args()
-    pdl.ENABLED = args.pdl != "off"
+    for name, (module, attribute, _) in SWITCHES.items():
+        setattr(module, attribute, getattr(args, name) != "off")
     global DEVICE
     DEVICE = args.device
     torch.manual_seed(0)
@@ -324,17 +350,10 @@ def main() -> None:
                 record["hbm_limit_fraction"] = round(moved / bandwidth / ours_s, 3)
                 record["step_ms"] = round(ours_s * 1e3, 3)
             emit(args.out, **record)
-            if args.pdl == "ab":
-                times: dict[bool, list[float]] = {True: [], False: []}
-                for on in (False, True, False, True):
-                    pdl.ENABLED = on
-                    times[on].append(our_decode(ours, layout, batch, args.prompt, args.steps, args.chunk[0],
-                                                graphs=True))
-                pdl.ENABLED = True
-                best = {name: min(times[on]) for name, on in (("on", True), ("off", False))}
-                emit(args.out, bench="decode_pdl_ab", shape=args.shape, batch=batch,
-                     **{f"{name}_tok_s": round(batch / s, 1) for name, s in best.items()},
-                     **{f"{name}_step_ms": round(s * 1e3, 3) for name, s in best.items()})
+            for name in SWITCHES:
+                if getattr(args, name) == "ab":
+                    switch_ab(args, name, functools.partial(
+                        our_decode, ours, layout, batch, args.prompt, args.steps, args.chunk[0], graphs=True), batch)
         for rows in args.prefill:
             hf_s = hf_prefill_s.get(rows)
             flops = prefill_flops(read // 2, config, rows)

@@ -2,7 +2,8 @@
 captures it (core's engine/graphs.py) and replays it for every batch padded to B.
 
     x = embed(tokens)                                                              [B, E]
-    per layer:  h, x = norm(x + mixer output)     the residual add fused into the next norm
+    per layer:  h, x = norm(x + mixer output)     the residual add fused into the next norm (at one rank, with
+                                                  the mixer's output projection too: kernels.linear_norm)
                 GDN:        one GEMM for every input projection, conv update, the delta step with its gate and
                             q/k norms fused, on the streams' slots (padded rows touch none)
                 attention:  this row's key/value written through the page tables (padded rows write none),
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.causal_conv1d import causal_conv1d_update
 from tensorfold.kernels.gated_delta import recurrent_gated_delta_step_gated
+from tensorfold.kernels.linear_norm import linear, linear_then_norm
 from tensorfold.kernels.paged_attention import paged_decode
 from tensorfold.kernels.paged_write import row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -48,11 +50,16 @@ def decode(model, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
     h = rms_norm(x, w.layers[0].input_norm, c.rms_norm_eps, zero_centred=True)
     for index, layer in enumerate(w.layers):
         if isinstance(layer.mixer, GdnWeights):
-            mixed = gdn(layer.mixer, c, h, batch.slots, index, kv)
+            heads, out_proj = gdn_heads(layer.mixer, c, h, batch.slots, index, kv), layer.mixer.out_proj
         else:
-            mixed = attention(layer.mixer, c, h, batch.positions, batch.tables, dest, lengths, index, kv,
-                              model.inv_freq)
-        h, x = rms_norm(model.shard.reduce(mixed), layer.post_norm, c.rms_norm_eps, zero_centred=True, residual=x)
+            heads = attention_heads(layer.mixer, c, h, batch.positions, batch.tables, dest, lengths, index, kv,
+                                    model.inv_freq)
+            out_proj = layer.mixer.o_proj
+        if model.shard.world == 1:      # the projection, the residual add and the norm: the bits of the three apart
+            h, x = linear_then_norm(heads, out_proj, x, layer.post_norm, c.rms_norm_eps, zero_centred=True)
+        else:
+            h, x = rms_norm(model.shard.reduce(linear(heads, out_proj)), layer.post_norm, c.rms_norm_eps,
+                            zero_centred=True, residual=x)
         following = w.layers[index + 1].input_norm if index + 1 < len(w.layers) else w.norm
         joined = None
         if isinstance(layer.ffn, MoeWeights) and model.shard.world == 1:
@@ -82,8 +89,14 @@ def ffn(w, h: torch.Tensor) -> torch.Tensor:
 
 
 def gdn(w: GdnWeights, c, h: torch.Tensor, slots: torch.Tensor, index: int, kv: KvStore) -> torch.Tensor:
-    """Gated DeltaNet, one row per stream: [B, E] -> [B, E]. One GEMM for [qkv | z | b | a], the gate and the
-    q/k l2 norms inside the step kernel."""
+    """Gated DeltaNet, one row per stream: [B, E] -> [B, E] (the output projection through kernels.linear_norm,
+    as the decode step's fused form computes it)."""
+    return linear(gdn_heads(w, c, h, slots, index, kv), w.out_proj)
+
+
+def gdn_heads(w: GdnWeights, c, h: torch.Tensor, slots: torch.Tensor, index: int, kv: KvStore) -> torch.Tensor:
+    """Gated DeltaNet before its output projection: [B, E] -> [B, NV·DV]. One GEMM for [qkv | z | b | a], the
+    gate and the q/k l2 norms inside the step kernel."""
     B, C, Z, NV = h.shape[0], 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim, c.v_heads * c.v_dim, c.v_heads
     proj = F.linear(h, w.in_proj)                                                       # [B, C + Z + 2·NV]
     mixed = causal_conv1d_update(proj[:, :C], w.conv, kv.fixed_states(index, CONV), slots)   # [B, C]
@@ -93,15 +106,23 @@ def gdn(w: GdnWeights, c, h: torch.Tensor, slots: torch.Tensor, index: int, kv: 
         proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.A_log, w.dt_bias, kv.fixed_states(index, RECURRENT),
         slots, scale=c.k_dim ** -0.5)                                                   # [B, NV, DV]
     out = gated_rms_norm(out, proj[:, C: C + Z].reshape(B, NV, c.v_dim), w.norm, c.rms_norm_eps)
-    return F.linear(out.reshape(B, Z), w.out_proj)
+    return out.reshape(B, Z)
 
 
 def attention(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
               dest: torch.Tensor, lengths: torch.Tensor, index: int, kv: KvStore,
               inv_freq: torch.Tensor) -> torch.Tensor:
-    """Gated attention, one row per stream, keys in pages: [B, E] -> [B, E]. dest: each row's flat page row
-    (-1: write none); lengths: keys each row sees (0: none). On a Triton device the norms, rotations and page
-    writes are one launch (attention_inputs.py), bit for bit the unfused kernels."""
+    """Gated attention, one row per stream, keys in pages: [B, E] -> [B, E] (the output projection through
+    kernels.linear_norm, as the decode step's fused form computes it)."""
+    return linear(attention_heads(w, c, h, positions, tables, dest, lengths, index, kv, inv_freq), w.o_proj)
+
+
+def attention_heads(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                    dest: torch.Tensor, lengths: torch.Tensor, index: int, kv: KvStore,
+                    inv_freq: torch.Tensor) -> torch.Tensor:
+    """Gated attention before its output projection: [B, E] -> [B, H·D] (the heads gated by sigmoid(gate)).
+    dest: each row's flat page row (-1: write none); lengths: keys each row sees (0: none). On a Triton device the
+    norms, rotations and page writes are one launch (attention_inputs.py), bit for bit the unfused kernels."""
     k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
     if use_triton(h):
         from tensorfold_qwen.attention_inputs import attention_inputs as fused_attention_inputs
@@ -115,7 +136,8 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, 
         q, gate, k, v = attention_inputs(w, c, h, positions, inv_freq)
         write_rows(k_pages, k, dest)
         write_rows(v_pages, v, dest)
-    return attention_output(w, paged_decode(q, k_pages, v_pages, tables, lengths, c.head_dim ** -0.5), gate)
+    out = paged_decode(q, k_pages, v_pages, tables, lengths, c.head_dim ** -0.5)
+    return sigmoid_mul(out.reshape(gate.shape), gate)
 
 
 def attention_inputs(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor

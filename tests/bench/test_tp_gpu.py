@@ -33,7 +33,8 @@ def test_tp2_greedy_tokens_equal_tp1_on_the_cpu(tmp_path):
         [(1, True, "0"), (2, True, "0")]
     assert by["tp_greedy"] == [{"bench": "tp_greedy", "shape": "qwen3_5-tiny", "world": 2, "ranks_agree": True}]
     assert sorted((r["world"], r["streams"]) for r in by["tp_decode"]) == [(w, s) for w in (1, 2) for s in STREAMS]
-    assert all(r["reductions"] == 8 for r in by["tp_decode"])           # 4 layers, a mixer and an MLP each
+    # 4 layers, a mixer and an MLP each; at one rank the mixer's output projection is fused with the norm (no reduce)
+    assert all(r["reductions"] == (8 if r["world"] == 2 else 4) for r in by["tp_decode"])
     assert all("reduce_eager_ms" in r for r in by["tp_decode"] if r["world"] == 2)
     assert sorted(r["world"] for r in by["tp_prefill"]) == [1, 2]
     tokens = by["tp_tokens"]
