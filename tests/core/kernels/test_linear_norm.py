@@ -91,6 +91,7 @@ def test_off_a_triton_device_the_calls_are_torchs():
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_rows_bound_and_the_switch_pick_torch(monkeypatch):
     x = torch.zeros(17, 8, device="cuda")

@@ -7,7 +7,7 @@ in two launches instead of three (a library GEMM, its split-K reduce, the norm):
                                                residual; out = the RMSNorm of s (rmsnorm's own body and tiles)
 
 The parts-norm kernel's bits are the sum kernel's then triton_rmsnorm's rms_norm with a residual, op for op. The
-config (tiles, splits, warps, stages) is a function of nothing but the call being one of at most ROWS_UP_TO rows,
+config (tiles, splits, warps) is a function of nothing but the call being one of at most ROWS_UP_TO rows,
 and a row's products read only its own x row: a row's bits are the same alone or among up to ROWS_UP_TO rows.
 Float32 dots run in IEEE float32 (no TF32); bfloat16 dots accumulate in float32.
 """
@@ -19,10 +19,10 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.linear_norm import ROWS_UP_TO
 from tensorfold.kernels.rmsnorm.triton_rmsnorm import blocks, normalise_rows
 from tensorfold.kernels.triton_rounding import round_to
 
-ROWS_UP_TO = 16     # one 16-row dot tile: a decode step's rows up to 16 streams
 BLOCK_N = 32        # output features per program
 BLOCK_K = 256       # reduction step
 SPLIT_K = 2         # K slices, each its own program (partial sums in float32)
