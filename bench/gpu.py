@@ -197,14 +197,13 @@ SWITCHES = {
 
 
 def switch_ab(args: argparse.Namespace, name: str, decode_s, batch: int) -> None:
-    """The decode timed with the switch off, on, off, on (graphs captured anew each time); each side's best as one
-    decode_<name>_ab line; the switch is then set back as the flags set it."""
+    """The decode timed with the switch off, on, off, on (graphs captured anew each time, the switch left on, as
+    `ab` sets it); each side's best as one decode_<name>_ab line."""
     module, attribute, _ = SWITCHES[name]
     times: dict[bool, list[float]] = {True: [], False: []}
     for on in (False, True, False, True):
         setattr(module, attribute, on)
         times[on].append(decode_s())
-    setattr(module, attribute, getattr(args, name) != "off")
     best = {side: min(times[on]) for side, on in (("on", True), ("off", False))}
     emit(args.out, bench=f"decode_{name}_ab", shape=args.shape, batch=batch,
          **{f"{side}_tok_s": round(batch / s, 1) for side, s in best.items()},
