@@ -4,7 +4,8 @@ process, against the machine's measured limits (copy bandwidth, bf16 GEMM peak).
 Prints one JSON line per measurement (and appends them to --out/gpu.jsonl):
     hardware   copy GB/s, bf16 TFLOP/s
     decode     tok/s at each batch, ours and HF; batch 1 as a fraction of the HBM limit
-    decode_<switch>_ab  (--pdl ab, --linear-norm ab: SWITCHES) our decode at each batch with the switch on and off
+    decode_<switch>_ab  (--pdl, --linear-norm, --fused-router ab: SWITCHES) our decode at each
+                        batch with the switch on and off
     prefill    tok/s and MFU at each length, ours and HF
     memory     peak GPU bytes; KV/state bytes per token against the Layout's figure
 
@@ -24,6 +25,7 @@ import torch
 
 from tensorfold.engine.graphs import DecodeRunner, has_decode
 from tensorfold.kernels import linear_norm, pdl
+from tensorfold.kernels.moe import routing
 from tensorfold.kv import PagedStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
@@ -188,21 +190,23 @@ def our_store(layout, streams: int, rows: int, page_rows: int = 256) -> PagedSto
     return store
 
 
-# A/B switches: a flag each (on, off or ab), the module constant it sets, what it turns on or off.
+# A/B switches: a flag each (on, off or ab), the module constant it sets, its values on and off, what it changes.
 SWITCHES = {
-    "pdl": (pdl, "ENABLED", "programmatic dependent launch for our kernels (kernels/pdl.py)"),
-    "linear_norm": (linear_norm, "ENABLED", "the decode step's few-row projections as a Triton GEMV, the output "
-                    "projection fused with the residual add and the norm (kernels/linear_norm)"),
+    "pdl": (pdl, "ENABLED", True, False, "programmatic dependent launch for our kernels (kernels/pdl.py)"),
+    "linear_norm": (linear_norm, "ENABLED", True, False, "the decode step's few-row projections as a Triton GEMV, the "
+                    "output projection fused with the residual add and the norm (kernels/linear_norm)"),
+    "fused_router": (routing, "FUSED_ROUTER", True, False, "a decode step's MoE router as our GEMV and routing "
+                     "launches, not a library GEMV (kernels/moe/triton_router)"),
 }
 
 
 def switch_ab(args: argparse.Namespace, name: str, decode_s, batch: int) -> None:
     """The decode timed with the switch off, on, off, on (graphs captured anew each time, the switch left on, as
     `ab` sets it); each side's best as one decode_<name>_ab line."""
-    module, attribute, _ = SWITCHES[name]
+    module, attribute, on_value, off_value, _ = SWITCHES[name]
     times: dict[bool, list[float]] = {True: [], False: []}
     for on in (False, True, False, True):
-        setattr(module, attribute, on)
+        setattr(module, attribute, on_value if on else off_value)
         times[on].append(decode_s())
     best = {side: min(times[on]) for side, on in (("on", True), ("off", False))}
     emit(args.out, bench=f"decode_{name}_ab", shape=args.shape, batch=batch,
@@ -307,13 +311,13 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode measurement")
     parser.add_argument("--device", default="cuda")
-    for name, (_, _, what) in SWITCHES.items():
+    for name, (*_, what) in SWITCHES.items():
         parser.add_argument(f"--{name.replace('_', '-')}", default="on", choices=("on", "off", "ab"),
                             help=f"{what}; ab: each decode batch also timed off, on, off, on in this process "
                                  f"(a decode_{name}_ab line)")
     args = parser.parse_args()
-    for name, (module, attribute, _) in SWITCHES.items():
-        setattr(module, attribute, getattr(args, name) != "off")
+    for name, (module, attribute, on_value, off_value, _) in SWITCHES.items():
+        setattr(module, attribute, off_value if getattr(args, name) == "off" else on_value)
     global DEVICE
     DEVICE = args.device
     torch.manual_seed(0)

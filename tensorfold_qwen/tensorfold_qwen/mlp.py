@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorfold.kernels.backend import use_triton
-from tensorfold.kernels.moe import routed_experts, routed_experts_norm, softmax_top_k
+from tensorfold.kernels.moe import routed_experts, routed_experts_norm, router_top_k, softmax_top_k
 from tensorfold.kernels.silu_gate import sigmoid_mul, silu_mul
 
 
@@ -91,9 +91,13 @@ def moe_routed(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Te
     return routed_experts(x, chosen, weights, w.gate_up, w.down, kind=kind) + shared_expert(w, x)
 
 
-def folded_pairs(w: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The folded layout's routing: one GEMM for the router and the shared gate (inputs [N + 1, E]), then the
-    routing kernel: (weights, chosen) [T, k + 1], the shared expert's pair (N, sigmoid(gate)) last."""
+def folded_pairs(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded layout's routing: the router and the shared gate (inputs [N + 1, E]) projected, then routed:
+    (weights, chosen) [T, k + 1], the shared expert's pair (N, sigmoid(gate)) last. A decode call (one row per
+    stream) through kernels.moe.router_top_k (at most 16 rows: one launch), a prefill chunk's rows one GEMM then the
+    routing kernel."""
+    if kind == "decode":
+        return router_top_k(x, w.inputs, w.top_k, shared=True)
     N = w.router.shape[0]
     proj = F.linear(x, w.inputs)                                        # [T, N + 1]
     return softmax_top_k(proj[:, :N], w.top_k, proj[:, N:N + 1])
@@ -119,7 +123,7 @@ def moe_fused(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Ten
     sigmoid(shared_gate·x), the last pair of every row, so it is summed after the routed experts as `moe` adds it.
     Within the bf16/fp32 tolerances of `moe` (docs/families/qwen.md), not bitwise: other dot orders."""
     if w.experts_gate_up is not None:
-        weights, chosen = folded_pairs(w, x)
+        weights, chosen = folded_pairs(w, x, kind)
         return routed_experts(x, chosen, weights, w.experts_gate_up, w.experts_down, kind=kind, ordered=True)
     N = w.router.shape[0]
     proj = F.linear(x, w.inputs)                                        # [T, N + 1 + 2·Fs]

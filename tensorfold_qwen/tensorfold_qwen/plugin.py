@@ -17,7 +17,9 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
+from tensorfold.kernels.linear_norm import ROWS_UP_TO
 from tensorfold.kernels.moe import TILES
+from tensorfold.kernels.moe.routing import ROUTER_SPLITS
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
 from tensorfold.shard import Shard, TensorParallel
@@ -166,10 +168,12 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
 
 def experts_fact(c: QwenConfig) -> str:
     """How a MoE layer's GPU path computes (mlp.moe_fused): a kept state made another way is not resumed."""
-    shared = ("the shared expert as expert N of the grouped experts" if c.shared_intermediate_size ==
-              c.moe_intermediate_size else "the shared expert apart")
-    return (f"fused: router and shared gate in one GEMM, routing kernel (ties to the lowest index), {shared}; "
-            f"prefill chunks through the prefill tiles, one-row streams the decode tiles ({TILES})")
+    folded = c.shared_intermediate_size == c.moe_intermediate_size
+    shared = "the shared expert as expert N of the grouped experts" if folded else "the shared expert apart"
+    router = (f"; one-row streams (up to {ROWS_UP_TO}): a split-K GEMV of {ROUTER_SPLITS} splits, the routing "
+              "kernel on its summed parts" if folded else "")
+    return (f"fused: router and shared gate in one GEMM, routing kernel (ties to the lowest index){router}, "
+            f"{shared}; prefill chunks through the prefill tiles, one-row streams the decode tiles ({TILES})")
 
 
 # ---------------------------------------------------------------- chat replies

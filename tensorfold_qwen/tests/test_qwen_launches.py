@@ -125,18 +125,37 @@ def route_stand_in(logits, gate, weights, chosen, N, *args, K, SHARED, **meta) -
     chosen.copy_(pairs[1])
 
 
+def parts_stand_in(x, weight, parts, M, N, *args, **meta) -> None:
+    """The GEMV's partial sums: the whole product in the first split, zeros in the rest."""
+    parts.zero_()
+    parts[0].copy_(torch.nn.functional.linear(x[:M], weight).float())
+
+
+def route_parts_stand_in(parts, weights, chosen, N, *args, K, SHARED, **meta) -> None:
+    """The router's pairs from its summed partial sums by the routing kernel's torch twin."""
+    from tensorfold.kernels.moe import routing
+
+    logits = parts.sum(0).to(weights.dtype)
+    pairs = routing.naive(logits[:, :N], K, logits[:, N:N + 1] if SHARED else None)
+    weights.copy_(pairs[0])
+    chosen.copy_(pairs[1])
+
+
 @contextmanager
 def counting_moe(monkeypatch: pytest.MonkeyPatch) -> Iterator[Launches]:
     """The Triton path forced on CPU tensors, every Triton kernel a stub, aten ops counted."""
     import tensorfold.kernels.moe as moe_package
     import tensorfold.kernels.silu_gate as gate_package
-    from tensorfold.kernels.moe import routing, triton_moe, triton_routing
+    from tensorfold.kernels.linear_norm import triton_linear_norm
+    from tensorfold.kernels.moe import routing, triton_moe, triton_router, triton_routing
     from tensorfold.kernels.silu_gate import triton_gate
 
     kernels = {triton_moe: ("_gate_up_kernel", "_down_kernel", "_sum_kernel"), triton_routing: ("_route_kernel",),
+               triton_linear_norm: ("_parts_kernel",), triton_router: ("_route_parts_kernel",),
                triton_gate: ("_silu_mul_kernel", "_sigmoid_mul_kernel")}
-    with counting_triton(monkeypatch, kernels, (mlp, moe_package, routing, gate_package),
-                         {"_route_kernel": route_stand_in}) as mode:
+    effects = {"_route_kernel": route_stand_in, "_parts_kernel": parts_stand_in,
+               "_route_parts_kernel": route_parts_stand_in}
+    with counting_triton(monkeypatch, kernels, (mlp, moe_package, routing, gate_package), effects) as mode:
         yield mode
 
 
@@ -165,16 +184,19 @@ def moe_ffn_ops(monkeypatch, shared_f: int, top_k: int, T: int, kind: str) -> Co
     return mode.ops
 
 
-# one GEMM over x (router and shared gate), the routing kernel, the grouped experts' three kernels
-FOLDED = Counter({"mm": 1, "triton:_route_kernel": 1, "triton:_gate_up_kernel": 1, "triton:_down_kernel": 1,
-                  "triton:_sum_kernel": 1})
+# the grouped experts' three kernels
+EXPERTS = Counter({"triton:_gate_up_kernel": 1, "triton:_down_kernel": 1, "triton:_sum_kernel": 1})
+# one GEMM over x (router and shared gate), the routing kernel, the experts
+FOLDED = EXPERTS + Counter({"mm": 1, "triton:_route_kernel": 1})
 
 
 @pytest.mark.parametrize("T", [1, 8])
-def test_a_decode_moe_ffn_is_five_launches(monkeypatch, T):
-    """The shared expert folded in (shared F == F): nothing but the five launches, up to 8 streams at k = 8 (72
-    pairs with the shared expert's, one block each: the alignment issues no op)."""
-    assert moe_ffn_ops(monkeypatch, shared_f=32, top_k=8, T=T, kind="decode") == FOLDED
+def test_a_decode_moe_ffn_is_five_launches_of_ours(monkeypatch, T):
+    """The shared expert folded in (shared F == F): the router's GEMV and routing (no library GEMM) and the
+    experts' three, up to 8 streams at k = 8 (72 pairs with the shared expert's, one block each: the alignment issues
+    no op)."""
+    assert moe_ffn_ops(monkeypatch, shared_f=32, top_k=8, T=T, kind="decode") == EXPERTS + Counter(
+        {"triton:_parts_kernel": 1, "triton:_route_parts_kernel": 1})
 
 
 def test_a_decode_moe_ffn_with_the_shared_expert_apart(monkeypatch):

@@ -91,17 +91,17 @@ def _parts_norm_kernel(parts_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, D, s_ps, s_
     normalise_rows(x, rows, cols, mask, w_ptr, out_ptr, s_o, D, eps, ZERO_CENTRED, False)
 
 
-def parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= ROWS_UP_TO), weight [N, K] -> float32 partial sums [SPLIT_K, M, N]."""
+def parts(x: torch.Tensor, weight: torch.Tensor, splits: int = SPLIT_K) -> torch.Tensor:
+    """x [M, K] (M <= ROWS_UP_TO), weight [N, K] -> float32 partial sums [splits, M, N] (split s over K slice s)."""
     M, K = x.shape
     N = weight.shape[0]
     if M > ROWS_UP_TO:
         raise ValueError(f"linear_norm: at most {ROWS_UP_TO} rows, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    out = torch.empty((SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-    k_slice = triton.cdiv(triton.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    _parts_kernel[(triton.cdiv(N, BLOCK_N), SPLIT_K)](
+    out = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    k_slice = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    _parts_kernel[(triton.cdiv(N, BLOCK_N), splits)](
         x, weight, out, M, N, K, k_slice, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=ROWS_UP_TO, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, **pdl.options(x))

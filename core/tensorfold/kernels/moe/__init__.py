@@ -34,10 +34,10 @@ from __future__ import annotations
 import torch
 
 from tensorfold.kernels.backend import use_triton
-from tensorfold.kernels.moe.routing import sigmoid_bias_top_k, softmax_top_k
+from tensorfold.kernels.moe.routing import router_top_k, sigmoid_bias_top_k, softmax_top_k
 
-__all__ = ["ACTIVATIONS", "KINDS", "TILES", "routed_experts", "routed_experts_norm", "sigmoid_bias_top_k",
-           "softmax_top_k"]
+__all__ = ["ACTIVATIONS", "KINDS", "TILES", "routed_experts", "routed_experts_norm", "router_top_k",
+           "sigmoid_bias_top_k", "softmax_top_k"]
 
 # The Triton path's tiles, for a family's identity facts: a state kept under other tiles is not resumed.
 TILES = "triton tiles: decode 16-row blocks, 32-wide F and E tiles, bf16 E steps of 128; prefill 128-row blocks"

@@ -33,10 +33,16 @@ Both scorings count a NaN logit (or biased score) as -inf, so every row names k 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tensorfold.kernels.backend import use_triton
+from tensorfold.kernels.linear_norm import ROWS_UP_TO
 
-__all__ = ["check", "check_sigmoid", "naive", "sigmoid_bias_top_k", "sigmoid_naive", "softmax_top_k"]
+__all__ = ["FUSED_ROUTER", "ROUTER_SPLITS", "check", "check_sigmoid", "naive", "router_applies", "router_top_k",
+           "sigmoid_bias_top_k", "sigmoid_naive", "softmax_top_k"]
+
+FUSED_ROUTER = True   # router_top_k's one-launch form where it applies; False: the GEMM and softmax_top_k (an A/B)
+ROUTER_SPLITS = 8     # its GEMV's K slices (a family's identity names them: they decide the logits' bits)
 
 
 def check(logits: torch.Tensor, k: int, shared: torch.Tensor | None) -> None:
@@ -62,6 +68,29 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
         from tensorfold.kernels.moe import triton_routing
         return triton_routing.softmax_top_k(logits, k, shared)
     return naive(logits, k, shared)
+
+
+def router_applies(x: torch.Tensor) -> bool:
+    """router_top_k runs its one launch for x: a Triton device, at most ROWS_UP_TO rows, FUSED_ROUTER on."""
+    return FUSED_ROUTER and use_triton(x) and x.dim() == 2 and x.shape[0] <= ROWS_UP_TO
+
+
+def router_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, shared: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, E], weight [N (+1: the shared gate's row, last, with `shared`), E] -> softmax_top_k of the router's
+    logits x @ weight[:N]ᵀ (and the shared pair from x @ weight[N]ᵀ): a decode step's router in one launch where
+    `router_applies` (triton_router: a split-K GEMV whose last program routes), else the GEMM then softmax_top_k."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"router_top_k: x [T, E] and weight [N, E] of one dtype, got {list(x.shape)} {x.dtype} "
+                         f"and {list(weight.shape)} {weight.dtype}")
+    N = weight.shape[0] - shared
+    if not 1 <= k <= N:
+        raise ValueError(f"router_top_k: k must be between 1 and N = {N}, got {k}")
+    if router_applies(x):
+        from tensorfold.kernels.moe import triton_router
+        return triton_router.router_top_k(x, weight, k, shared)
+    logits = F.linear(x, weight)
+    return softmax_top_k(logits[:, :N], k, logits[:, N:] if shared else None)
 
 
 def naive(logits: torch.Tensor, k: int, shared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

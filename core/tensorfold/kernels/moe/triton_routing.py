@@ -27,16 +27,12 @@ from tensorfold.kernels.triton_ieee import INTERPRETED, div, sigmoid
 from tensorfold.kernels.triton_rounding import round_to
 
 
-@triton.jit(do_not_specialize=["N"])
-def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, s_wt, s_ct,
-                  K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    """weights[t], chosen[t] from logits[t] (and the shared gate logit shared[t] with SHARED)."""
-    pdl.ordered(PDL)
-    t = tl.program_id(0).to(tl.int64)
+@triton.jit
+def route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K: tl.constexpr, BLOCK_N: tl.constexpr,
+              SHARED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row t's pairs from its float32 logits [BLOCK_N] (and its shared gate logit with SHARED), written ordered."""
     cols = tl.arange(0, BLOCK_N)
     valid = cols < N
-    logit = tl.load(logit_ptr + t * s_lt + cols, mask=valid, other=0.0).to(tl.float32)
     key = tl.where(valid & (logit == logit), logit, float("-inf"))         # padding and NaN: -inf
     e = tl.exp(key - tl.max(key, 0))
     p = e / tl.sum(e, 0)
@@ -57,9 +53,23 @@ def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, 
     tl.store(chosen_ptr + t * s_ct + rest, tl.full([BLOCK_K], BLOCK_N, tl.int64), mask=missing)
     tl.store(weight_ptr + t * s_wt + rest, tl.zeros([BLOCK_K], tl.float32).to(ty), mask=missing)
     if SHARED:
-        s = tl.load(shared_ptr + t * s_st).to(tl.float32)
         tl.store(chosen_ptr + t * s_ct + K, N.to(tl.int64))
-        tl.store(weight_ptr + t * s_wt + K, round_to(1.0 / (1.0 + tl.exp(-s)), ty).to(ty))
+        tl.store(weight_ptr + t * s_wt + K, round_to(1.0 / (1.0 + tl.exp(-shared)), ty).to(ty))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, s_wt, s_ct,
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """weights[t], chosen[t] from logits[t] (and the shared gate logit shared[t] with SHARED)."""
+    pdl.ordered(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    logit = tl.load(logit_ptr + t * s_lt + cols, mask=cols < N, other=0.0).to(tl.float32)
+    shared = 0.0
+    if SHARED:
+        shared = tl.load(shared_ptr + t * s_st).to(tl.float32)
+    route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K)
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = None
