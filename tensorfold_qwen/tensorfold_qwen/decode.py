@@ -131,13 +131,13 @@ def attention_heads(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Te
         proj = F.linear(h, w.qkv)                                                       # [N, 2HD + 2·KV·D]
         q = fused_attention_inputs(proj, w.q_norm, w.k_norm, c.rms_norm_eps, positions, inv_freq, c.rotary_dim,
                                    H, c.kv_heads, D, k_pages, v_pages, dest)
-        gate = proj[:, : 2 * H * D].reshape(N, H, 2 * D)[..., D:].reshape(N, H * D)
+        gate = proj[:, : 2 * H * D].view(N, H, 2 * D)[..., D:]                        # [N, H, D] in place
     else:
         q, gate, k, v = attention_inputs(w, c, h, positions, inv_freq)
         write_rows(k_pages, k, dest)
         write_rows(v_pages, v, dest)
     out = paged_decode(q, k_pages, v_pages, tables, lengths, c.head_dim ** -0.5)
-    return sigmoid_mul(out.reshape(gate.shape), gate)
+    return sigmoid_mul(out.reshape(h.shape[0], c.heads * c.head_dim), gate)
 
 
 def attention_inputs(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor

@@ -1,5 +1,5 @@
-"""How many device ops one GDN layer of the batched step (the GPU path) issues, and one MoE feed-forward on the
-Triton path, counted on the CPU.
+"""How many device ops one GDN layer of the batched step (the GPU path) issues, one MoE feed-forward and one decode
+attention layer on the Triton path, counted on the CPU.
 
 The count is a proxy for the GPU's kernel launches, not a measure of them: aten ops that compute (views and bare
 allocations are not counted), each one launch on CUDA, plus one per call of a kernel entry point from
@@ -212,3 +212,29 @@ def test_a_prefill_moe_ffn_groups_its_pairs_on_the_device(monkeypatch):
     assert ops == FOLDED + Counter({
         "sort": 1, "searchsorted": 2, "arange": 3, "index": 2, "sub": 4, "add": 2, "mul": 2, "floor_divide": 1,
         "cumsum": 1, "clamp": 1, "lt": 1, "where": 1, "scalar_tensor": 1, "full": 1, "scatter_": 1, "_to_copy": 2})
+
+
+# ---- a decode step's gated attention on the Triton path ---------------------------------------------------------
+
+def test_a_decode_attention_layer_reads_its_gate_in_place(subject, monkeypatch):
+    """The gate halves stay in the projection's columns (sigmoid_mul reads them strided): one GEMM, the fused inputs
+    launch, the paged decode and the gate, no copy of the gate."""
+    import tensorfold_qwen.attention_inputs as fused_inputs
+
+    model, store = subject.model, subject.store(2, 64, page_rows=16)
+    index = decode._first_attention(model.weights)
+    h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    positions = torch.tensor([5, 9])
+    tables = store.tables([0, 1])
+    dest = decode.row_ids(tables, positions, torch.tensor([True, True]), 16)
+    lengths = (positions + 1).to(torch.int32)
+    monkeypatch.setattr(decode, "use_triton", lambda tensor: True)
+    with counting(monkeypatch) as mode:
+        monkeypatch.setattr(fused_inputs, "attention_inputs",
+                            opaque(mode, "attention_inputs", fused_inputs.attention_inputs))
+        out = decode.attention_heads(model.weights.layers[index].mixer, model.config, h, positions, tables, dest,
+                                     lengths, index, store, model.inv_freq)
+    c = model.config
+    assert out.shape == (2, c.heads * c.head_dim)
+    assert mode.ops == Counter({"mm": 1, "kernel:attention_inputs": 1, "kernel:paged_decode": 1,
+                                "kernel:sigmoid_mul": 1})

@@ -68,6 +68,16 @@ def test_rejects_bad_arguments():
         sigmoid_mul(torch.ones(3, 8), torch.ones(3, 2))
     with pytest.raises(ValueError, match="x must be"):
         sigmoid_mul(torch.ones(8), torch.ones(8))
+    with pytest.raises(ValueError, match=r"gate \[N, H, D\] must have N = 3 rows and H·D = F = 8"):
+        sigmoid_mul(torch.ones(3, 8), torch.ones(3, 3, 3))
+
+
+def test_a_gate_of_heads_is_the_gate_of_its_rows():
+    """gate [N, H, D] (the gate halves interleaved with q in one projection's columns) is gate.reshape(N, H·D)."""
+    proj = randn(3, 2 * 4 * 5 + 6, dtype=torch.bfloat16, seed=2, scale=3.0)
+    heads = proj[:, :40].view(3, 4, 10)[..., 5:]
+    x = randn(3, 20, dtype=torch.bfloat16, seed=3)
+    assert torch.equal(sigmoid_mul(x, heads), naive.sigmoid_mul(x, heads.reshape(3, 20)))
 
 
 # ---- triton (GPU, or the interpreter on the CPU) ------------------------------------------------------------
@@ -109,6 +119,21 @@ def test_triton_sigmoid_mul_matches_naive(N, Fd, dtype, per_row, device):
     got = triton_gate.sigmoid_mul(x.to(device), gate.to(device))
     assert got.dtype == dtype and got.shape == (N, Fd)
     torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_sigmoid_mul_reads_a_gate_of_heads_in_place(dtype, device):
+    """Gated attention's gate: heads of D interleaved with q's in one projection's columns ([N, H, 2D], the gate
+    the second half of each head), read with their strides: the bits of the same gate copied to [N, H·D]."""
+    from tensorfold.kernels.silu_gate import triton_gate
+    N, H, D = 3, 4, 24
+    proj = randn(N, 2 * H * D + 16, dtype=dtype, seed=4, scale=4.0).to(device)
+    heads = proj[:, :2 * H * D].view(N, H, 2 * D)[..., D:]
+    x = randn(N, H * D, dtype=dtype, seed=5, scale=2.0).to(device)
+    got = triton_gate.sigmoid_mul(x, heads)
+    assert torch.equal(got, triton_gate.sigmoid_mul(x, heads.reshape(N, H * D)))
+    torch.testing.assert_close(got.cpu(), naive.sigmoid_mul(x.cpu(), heads.cpu()), **TOLERANCE[dtype])
 
 
 @pytest.mark.triton

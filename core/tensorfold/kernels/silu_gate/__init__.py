@@ -40,8 +40,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x [N, F], gate [N, F] or [N, 1] (one gate per row), same dtype -> x·sigmoid(gate) [N, F]."""
-    _check_pair("sigmoid_mul", "x", x, "gate", gate, per_row=True)
+    """x [N, F], gate [N, F], [N, 1] (one gate per row) or [N, H, D] with H·D = F (a gate of heads, e.g. the gate
+    halves interleaved with q in a fused projection's columns: read in place, no copy), same dtype ->
+    x·sigmoid(gate) [N, F]."""
+    if gate.dim() == 3:
+        _check_pair("sigmoid_mul", "x", x, "x", x, per_row=False)
+        N, F = x.shape
+        if gate.shape[0] != N or gate.shape[1] * gate.shape[2] != F or gate.dtype != x.dtype or gate.device != x.device:
+            raise ValueError(f"sigmoid_mul: gate [N, H, D] must have N = {N} rows and H·D = F = {F} features, "
+                             f"{x.dtype} on {x.device} like x, got {list(gate.shape)} {gate.dtype} on {gate.device}")
+    else:
+        _check_pair("sigmoid_mul", "x", x, "gate", gate, per_row=True)
     if use_triton(x):
         from tensorfold.kernels.silu_gate import triton_gate
         return triton_gate.sigmoid_mul(x, gate)

@@ -19,5 +19,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The output gate: x · sigmoid(gate). x [N, F], gate [N, F] or [N, 1] (one gate per row) -> [N, F]."""
-    return x * torch.sigmoid(gate)
+    """The output gate: x · sigmoid(gate). x [N, F], gate [N, F], [N, 1] (one gate per row) or [N, H, D] (heads,
+    H·D = F) -> [N, F]."""
+    return x * torch.sigmoid(gate.flatten(1) if gate.dim() == 3 else gate)

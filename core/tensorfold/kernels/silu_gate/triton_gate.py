@@ -35,16 +35,18 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, F, stride_g, stride_u, stride_o, lim
 
 
 @triton.jit
-def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, F, stride_x, stride_g, stride_gf, stride_o,
+def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, F, HEAD, stride_x, stride_g, stride_gh, stride_gf, stride_o,
                         BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
-    """out = round(x · round(sigmoid(g))); stride_gf = 0 broadcasts one gate over a row."""
+    """out = round(x · round(sigmoid(g))); feature f's gate at (f // HEAD)·stride_gh + (f % HEAD)·stride_gf (a gate
+    of heads, each HEAD wide; HEAD = F for a plain row); stride_gf = 0 broadcasts one gate over a row."""
     pdl.ordered(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = cols < F
     ty = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_g + cols * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + (cols // HEAD) * stride_gh + (cols % HEAD) * stride_gf, mask=mask,
+                other=0.0).to(tl.float32)
     gate = round_to(1.0 / (1.0 + tl.exp(-g)), ty)
     tl.store(out_ptr + row * stride_o + cols, round_to(x * gate, ty), mask=mask)
 
@@ -74,14 +76,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Launcher: x [N, F], gate [N, F] or [N, 1] -> [N, F]."""
+    """Launcher: x [N, F], gate [N, F], [N, 1] or [N, H, D] (H·D = F, strided heads) -> [N, F]."""
     x = _row_major(x)
     N, F = x.shape
-    broadcast = gate.shape[1] == 1 and F != 1
+    broadcast = gate.dim() == 2 and gate.shape[1] == 1 and F != 1
     gate = gate if broadcast else _row_major(gate)
+    heads = gate.dim() == 3
+    head = gate.shape[2] if heads else max(F, 1)
     out = torch.empty((N, F), dtype=x.dtype, device=x.device)
     if out.numel():
         block_f, grid = _grid(N, F)
-        _sigmoid_mul_kernel[grid](x, gate, out, F, x.stride(0), gate.stride(0), 0 if broadcast else 1,
-                                  out.stride(0), BLOCK_F=block_f, num_warps=4, **pdl.options(x))
+        _sigmoid_mul_kernel[grid](x, gate, out, F, head, x.stride(0), gate.stride(0), gate.stride(1) if heads else 0,
+                                  0 if broadcast else 1, out.stride(0), BLOCK_F=block_f, num_warps=4,
+                                  **pdl.options(x))
     return out
