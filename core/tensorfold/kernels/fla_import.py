@@ -44,10 +44,13 @@ class FlaImport:
             self.error = "fla-core is not installed"
             return None
         try:
-            return importlib.import_module(self.module)
+            module = importlib.import_module(self.module)
         except Exception as error:                                                 # noqa: BLE001 (any import failure)
             self.error = f"fla-core is installed but does not import: {error!r} (fla-core also needs einops)"
             return None
+        pin_l2norm()
+        return module
+
 
     def functions(self, ops: Callable[[], ModuleType | None]) -> FlaFunctions:
         """available, import_error, environment and require over `ops` (the backend module's loader, called
@@ -81,3 +84,26 @@ class FlaImport:
             return module
 
         return FlaFunctions(available, import_error, environment, require)
+
+
+# fla's l2norm kernels (the chunked ops' use_qk_l2norm_in_kernel) autotune rows per program and warps per
+# NB = cdiv(rows·heads, 65536), and a row's Σx² is reduced in the chosen layout's order: one stream alone and the
+# same stream inside a larger batch could get other configs, by timing, and other bits. One config, always.
+L2NORM_CONFIG = {"BT": 16, "num_warps": 4}
+
+
+def pin_l2norm() -> bool:
+    """fla's l2norm forward and backward kernels held to L2NORM_CONFIG (nothing autotuned); False when this fla
+    has no such kernels."""
+    try:
+        import triton
+        from fla.modules.norm import l2norm
+    except ImportError:
+        return False
+    kernels = [getattr(l2norm, name, None) for name in ("l2norm_fwd_kernel", "l2norm_bwd_kernel")]
+    if not all(hasattr(kernel, "configs") for kernel in kernels):
+        return False
+    config = dict(L2NORM_CONFIG)
+    for kernel in kernels:
+        kernel.configs = [triton.Config({"BT": config["BT"]}, num_warps=config["num_warps"])]
+    return True

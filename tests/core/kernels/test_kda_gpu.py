@@ -142,8 +142,9 @@ def test_gpu_fla_chunk_is_deterministic_and_batch_invariant(dtype, qk):
     """The same call twice gives the same bits; each stream alone gives the same bits as inside a varlen batch
     (first, middle and last place, neighbours of other lengths). The batch has 1767 rows·64 heads > 65536 while
     the first stream alone has 190·64: fla's l2norm_fwd autotunes per NB = cdiv(rows·heads, 65536), so with
-    "l2norm_in_fla" alone and batched may run different configs. If only that case fails, normalise q, k
-    outside fla ("prepared": l2norm in float32, q scaled, cast back to the input dtype)."""
+    "l2norm_in_fla" alone and batched could run different configs (it did, once in a device run), unless held to
+    one (fla_import.pin_l2norm, on loading fla). "prepared": q, k normalised outside fla (l2norm in float32, q
+    scaled, cast back to the input dtype)."""
     _fla()
     H, DK, DV = GLM["H"], GLM["DK"], GLM["DV"]
     lengths = [190, 1000, 64, 513]
@@ -170,6 +171,23 @@ def test_gpu_fla_chunk_is_deterministic_and_batch_invariant(dtype, qk):
     report(**record)
     assert twice, record
     assert all(s["bitwise"] for s in solo.values()), record
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_fla_l2norm_is_one_config_alone_and_in_a_batch():
+    """Loading fla pins its l2norm kernels to one config: rows alone (NB 1) and inside a batch of rows·heads past
+    65536 (NB 2) give the same bits."""
+    _fla()
+    from fla.modules.norm import l2norm
+
+    from tensorfold.kernels import fla_import
+    assert all(len(kernel.configs) == 1 for kernel in (l2norm.l2norm_fwd_kernel, l2norm.l2norm_bwd_kernel))
+    assert fla_import.pin_l2norm()
+    x = torch.randn(1767 * 64, 128, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEVICE)
+    whole, _ = l2norm.l2norm_fwd(x)
+    for a, b in ((0, 190 * 64), (1190 * 64, 1767 * 64)):
+        assert torch.equal(l2norm.l2norm_fwd(x[a:b])[0], whole[a:b]), (a, b)
 
 
 @DTYPES
