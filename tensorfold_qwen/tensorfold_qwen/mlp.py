@@ -94,8 +94,8 @@ def moe_routed(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Te
 def folded_pairs(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
     """The folded layout's routing: the router and the shared gate (inputs [N + 1, E]) projected, then routed:
     (weights, chosen) [T, k + 1], the shared expert's pair (N, sigmoid(gate)) last. A decode call (one row per
-    stream) through kernels.moe.router_top_k (at most 16 rows: one launch), a prefill chunk's rows one GEMM then the
-    routing kernel."""
+    stream) through kernels.moe.router_top_k (at most 16 rows: our GEMV and the routing kernel on its parts), a
+    prefill chunk's rows one GEMM then the routing kernel."""
     if kind == "decode":
         return router_top_k(x, w.inputs, w.top_k, shared=True)
     N = w.router.shape[0]

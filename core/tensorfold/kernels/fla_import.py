@@ -103,7 +103,6 @@ def pin_l2norm() -> bool:
     kernels = [getattr(l2norm, name, None) for name in ("l2norm_fwd_kernel", "l2norm_bwd_kernel")]
     if not all(hasattr(kernel, "configs") for kernel in kernels):
         return False
-    config = dict(L2NORM_CONFIG)
     for kernel in kernels:
-        kernel.configs = [triton.Config({"BT": config["BT"]}, num_warps=config["num_warps"])]
+        kernel.configs = [triton.Config({"BT": L2NORM_CONFIG["BT"]}, num_warps=L2NORM_CONFIG["num_warps"])]
     return True

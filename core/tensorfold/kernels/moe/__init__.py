@@ -1,7 +1,7 @@
 """Routed experts of a mixture-of-experts layer (the part after the router): each row's k chosen experts' MLPs,
 weighted and summed; and the router's last step in one kernel (routing.py: `softmax_top_k`, Qwen's softmax, and
-`sigmoid_bias_top_k`, GLM-5's biased sigmoid), whose pairs come ordered (`routed_experts(..., ordered=True)`).
-Two expert activations:
+`sigmoid_bias_top_k`, GLM-5's biased sigmoid; `router_top_k`, a decode step's whole softmax router with its
+projection), whose pairs come ordered (`routed_experts(..., ordered=True)`). Two expert activations:
 
     "silu_gate" (default)  SwiGLU, HF transformers 5.x's fused layout (`Qwen3_5MoeExperts`): gate_up [N, 2F, E]
                            with the gate rows first, then the up rows; down [N, E, F]

@@ -8,6 +8,10 @@ Each row's chosen ids come in ascending order (the order the grouped experts sum
 ordered=True)` skips its sort. With a shared expert, k' = k + 1: a last pair names it as expert N of an extended
 weight set, so the grouped experts run it with the routed ones.
 
+router_top_k(x [T, E], weight [N (+1), E], k, shared) is a decode step's whole router: the projection, then
+softmax_top_k on it; at up to 16 rows on a Triton device as linear_norm's split-K GEMV and the routing kernel's body
+on the slices' sum (triton_router; the pairs bit for bit softmax_top_k's on those logits).
+
 softmax_top_k (Qwen3.5-MoE): per row a float32 softmax over the N experts' logits, the k largest, renormalised
 (norm_topk_prob), cast to the logits' dtype; the shared pair is (N, sigmoid(shared)). Ties: the k largest logits
 are taken (softmax is monotonic: the k largest probabilities), equal logits in ascending index order, so the
@@ -41,7 +45,7 @@ from tensorfold.kernels.linear_norm import ROWS_UP_TO
 __all__ = ["FUSED_ROUTER", "ROUTER_SPLITS", "check", "check_sigmoid", "naive", "router_applies", "router_top_k",
            "sigmoid_bias_top_k", "sigmoid_naive", "softmax_top_k"]
 
-FUSED_ROUTER = True   # router_top_k's one-launch form where it applies; False: the GEMM and softmax_top_k (an A/B)
+FUSED_ROUTER = True   # router_top_k's launches of ours where they apply; False: the GEMM and softmax_top_k (an A/B)
 ROUTER_SPLITS = 8     # its GEMV's K slices (a family's identity names them: they decide the logits' bits)
 
 
@@ -71,15 +75,16 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
 
 
 def router_applies(x: torch.Tensor) -> bool:
-    """router_top_k runs its one launch for x: a Triton device, at most ROWS_UP_TO rows, FUSED_ROUTER on."""
+    """router_top_k runs its own launches for x: a Triton device, at most ROWS_UP_TO rows, FUSED_ROUTER on."""
     return FUSED_ROUTER and use_triton(x) and x.dim() == 2 and x.shape[0] <= ROWS_UP_TO
 
 
 def router_top_k(x: torch.Tensor, weight: torch.Tensor, k: int, shared: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, E], weight [N (+1: the shared gate's row, last, with `shared`), E] -> softmax_top_k of the router's
-    logits x @ weight[:N]ᵀ (and the shared pair from x @ weight[N]ᵀ): a decode step's router in one launch where
-    `router_applies` (triton_router: a split-K GEMV whose last program routes), else the GEMM then softmax_top_k."""
+    logits x @ weight[:N]ᵀ (and the shared pair from x @ weight[N]ᵀ): a decode step's router, where
+    `router_applies` linear_norm's split-K GEMV (ROUTER_SPLITS slices) and the routing kernel's body on the slices'
+    sum (triton_router), else the GEMM then softmax_top_k."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype != weight.dtype:
         raise ValueError(f"router_top_k: x [T, E] and weight [N, E] of one dtype, got {list(x.shape)} {x.dtype} "
                          f"and {list(weight.shape)} {weight.dtype}")

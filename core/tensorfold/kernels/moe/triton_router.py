@@ -1,5 +1,5 @@
-"""A decode step's router in two launches of ours (each with PDL, the weights prefetched while the kernel before
-runs) instead of a library GEMV and the routing kernel:
+"""A decode step's router in two launches of ours (each with PDL, so each waits behind the kernel before; a library
+GEMV is launched without it) instead of a library GEMV and the routing kernel:
 
     parts launch (linear_norm)   parts[s, m, n] = x[m, K slice s] · w[n, K slice s] in float32, SPLITS slices
     route launch, program (row)  logits = round(parts[0, m] + parts[1, m] + ...) (splits in order, rounded once to

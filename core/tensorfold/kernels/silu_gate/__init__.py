@@ -14,10 +14,15 @@ from tensorfold.kernels.backend import use_triton
 __all__ = ["sigmoid_mul", "silu_mul"]
 
 
+def _check_rows(op: str, name: str, a: torch.Tensor) -> None:
+    """a is a floating [N, F]."""
+    if a.dim() != 2 or not a.dtype.is_floating_point:
+        raise ValueError(f"{op}: {name} must be a floating [N, F] tensor, got {list(a.shape)} {a.dtype}")
+
+
 def _check_pair(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, per_row: bool) -> None:
     """a is a floating [N, F]; b has a's dtype, device and shape (or [N, 1] when per_row is allowed)."""
-    if a.dim() != 2 or not a.dtype.is_floating_point:
-        raise ValueError(f"{op}: {a_name} must be a floating [N, F] tensor, got {list(a.shape)} {a.dtype}")
+    _check_rows(op, a_name, a)
     N, F = a.shape
     shapes = [(N, F), (N, 1)] if per_row else [(N, F)]
     if tuple(b.shape) not in shapes or b.dtype != a.dtype or b.device != a.device:
@@ -44,7 +49,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     halves interleaved with q in a fused projection's columns: read in place, no copy), same dtype ->
     x·sigmoid(gate) [N, F]."""
     if gate.dim() == 3:
-        _check_pair("sigmoid_mul", "x", x, "x", x, per_row=False)
+        _check_rows("sigmoid_mul", "x", x)
         N, F = x.shape
         if gate.shape[0] != N or gate.shape[1] * gate.shape[2] != F or gate.dtype != x.dtype or gate.device != x.device:
             raise ValueError(f"sigmoid_mul: gate [N, H, D] must have N = {N} rows and H·D = F = {F} features, "
