@@ -54,11 +54,12 @@ def _parts_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, K_SLICE, s_xm, s_wn, s_ps, s
 
 
 @triton.jit
-def _summed(parts_ptr, rows, cols, mask, s_ps, s_pm, SPLITS: tl.constexpr, ty: tl.constexpr):
-    """The splits' partial sums added in split order, rounded once to ty (kept as float32)."""
-    acc = tl.load(parts_ptr + rows[:, None] * s_pm + cols[None, :], mask=mask, other=0.0)
+def summed(parts_ptr, offsets, mask, s_ps, SPLITS: tl.constexpr, ty: tl.constexpr):
+    """The splits' partial sums at `offsets` (within a split) added in split order, rounded once to ty (kept as
+    float32)."""
+    acc = tl.load(parts_ptr + offsets, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
-        acc = acc + tl.load(parts_ptr + s * s_ps + rows[:, None] * s_pm + cols[None, :], mask=mask, other=0.0)
+        acc = acc + tl.load(parts_ptr + s * s_ps + offsets, mask=mask, other=0.0)
     return round_to(acc, ty)
 
 
@@ -70,7 +71,7 @@ def _sum_kernel(parts_ptr, out_ptr, M, N, s_ps, s_pm, s_om, SPLITS: tl.constexpr
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    y = _summed(parts_ptr, rows, cols, mask, s_ps, s_pm, SPLITS, out_ptr.dtype.element_ty)
+    y = summed(parts_ptr, rows[:, None] * s_pm + cols[None, :], mask, s_ps, SPLITS, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * s_om + cols[None, :], y, mask=mask)
 
 
@@ -84,7 +85,7 @@ def _parts_norm_kernel(parts_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, D, s_ps, s_
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
     ty = out_ptr.dtype.element_ty
-    y = _summed(parts_ptr, rows, cols, mask, s_ps, s_pm, SPLITS, ty)
+    y = summed(parts_ptr, rows[:, None] * s_pm + cols[None, :], mask, s_ps, SPLITS, ty)
     r = tl.load(r_ptr + rows[:, None] * s_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x = round_to(y + r, ty)
     tl.store(sum_ptr + rows[:, None] * s_s + cols[None, :], x, mask=mask)

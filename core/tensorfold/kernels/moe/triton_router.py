@@ -20,19 +20,9 @@ import triton.language as tl
 
 from tensorfold.kernels import pdl
 from tensorfold.kernels.linear_norm import ROWS_UP_TO
-from tensorfold.kernels.linear_norm.triton_linear_norm import parts
+from tensorfold.kernels.linear_norm.triton_linear_norm import parts, summed
 from tensorfold.kernels.moe.routing import ROUTER_SPLITS
-from tensorfold.kernels.moe.triton_routing import route_row
-from tensorfold.kernels.triton_rounding import round_to
-
-
-@triton.jit
-def _summed(parts_ptr, offsets, mask, s_ps, SPLITS: tl.constexpr, ty: tl.constexpr):
-    """The splits' partial sums at `offsets` added in split order, rounded once to ty (as float32)."""
-    acc = tl.load(parts_ptr + offsets, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc = acc + tl.load(parts_ptr + s * s_ps + offsets, mask=mask, other=0.0)
-    return round_to(acc, ty)
+from tensorfold.kernels.moe.triton_routing import pairs, route_config, route_row
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -44,10 +34,10 @@ def _route_parts_kernel(parts_ptr, weight_ptr, chosen_ptr, N, s_ps, s_pm, s_wt, 
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ty = weight_ptr.dtype.element_ty
-    logit = _summed(parts_ptr, t * s_pm + cols, cols < N, s_ps, SPLITS, ty)
+    logit = summed(parts_ptr, t * s_pm + cols, cols < N, s_ps, SPLITS, ty)
     shared = 0.0
     if SHARED:
-        shared = _summed(parts_ptr, t * s_pm + N, True, s_ps, SPLITS, ty)
+        shared = summed(parts_ptr, t * s_pm + N, True, s_ps, SPLITS, ty)
     route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K)
 
 
@@ -56,13 +46,10 @@ def route_parts(p: torch.Tensor, k: int, shared: bool, dtype: torch.dtype) -> tu
     splits, M, width_in = p.shape
     N = width_in - shared
     width = k + shared
-    weights = torch.empty((M, width), dtype=dtype, device=p.device)
-    chosen = torch.empty((M, width), dtype=torch.long, device=p.device)
+    weights, chosen = pairs(M, width, dtype, p.device)
     if M:
-        block = triton.next_power_of_2(N)
         _route_parts_kernel[(M,)](p, weights, chosen, N, p.stride(0), p.stride(1), weights.stride(0),
-                                  chosen.stride(0), K=k, SPLITS=splits, BLOCK_N=block, SHARED=shared,
-                                  BLOCK_K=triton.next_power_of_2(k), num_warps=1 if block <= 1024 else 4,
+                                  chosen.stride(0), SPLITS=splits, SHARED=shared, **route_config(N, k),
                                   **pdl.options(p))
     return weights, chosen
 

@@ -72,21 +72,30 @@ def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, 
     route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K)
 
 
+def pairs(T: int, width: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing output buffers: weights [T, width] in dtype, chosen [T, width] long."""
+    return (torch.empty((T, width), dtype=dtype, device=device),
+            torch.empty((T, width), dtype=torch.long, device=device))
+
+
+def route_config(N: int, k: int) -> dict[str, int]:
+    """route_row's block and warps for N experts, k chosen: every kernel that runs it launches with these, so their
+    reductions, and the pairs' bits, are the same."""
+    block = triton.next_power_of_2(N)
+    return {"K": k, "BLOCK_N": block, "BLOCK_K": triton.next_power_of_2(k), "num_warps": 1 if block <= 1024 else 4}
+
+
 def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: logits [T, N] -> (weights [T, k'], chosen [T, k'] long), k' = k + (shared is not None)."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     T, N = logits.shape
-    width = k + (shared is not None)
-    weights = torch.empty((T, width), dtype=logits.dtype, device=logits.device)
-    chosen = torch.empty((T, width), dtype=torch.long, device=logits.device)
+    weights, chosen = pairs(T, k + (shared is not None), logits.dtype, logits.device)
     if T:
-        block = triton.next_power_of_2(N)
         gate = logits if shared is None else shared
         _route_kernel[(T,)](logits, gate, weights, chosen, N, logits.stride(0), gate.stride(0), weights.stride(0),
-                            chosen.stride(0), K=k, BLOCK_N=block, SHARED=shared is not None,
-                            BLOCK_K=triton.next_power_of_2(k),
-                            num_warps=1 if block <= 1024 else 4, **pdl.options(logits))
+                            chosen.stride(0), SHARED=shared is not None, **route_config(N, k),
+                            **pdl.options(logits))
     return weights, chosen
 
 
