@@ -126,3 +126,70 @@ def test_gpu_fused_bits_and_batch_invariance_at_the_out_projections(K, D, dtype)
     want = F.linear(x.double(), weight.double()).float()
     assert (got - want).abs().max().item() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
 
+
+
+class Counted:
+    """A kernel whose launches are named in `launches` as they run."""
+
+    def __init__(self, kernel, name: str, launches: list[str]) -> None:
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(self.name)
+        return self.kernel[grid]
+
+
+def one_slice_both_ways(x, weight):
+    """The one-launch GEMV, and the same single K slice through the partial-sums and sum launches."""
+    from tensorfold.kernels.linear_norm import triton_linear_norm
+    one = triton_linear_norm.linear(x, weight)
+    p = triton_linear_norm.parts(x, weight, 1)
+    two = torch.empty_like(one)
+    triton_linear_norm._sum_kernel[(x.shape[0],)](p, two, x.shape[0], weight.shape[0], p.stride(0), p.stride(1),
+                                                  two.stride(0), SPLITS=1,
+                                                  BLOCK_D=triton_linear_norm.triton.next_power_of_2(weight.shape[0]))
+    return one, two
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_wide_projection_is_one_launch_with_the_sum_launchs_bits(dtype, device, monkeypatch):
+    from tensorfold.kernels.linear_norm import triton_linear_norm
+    monkeypatch.setattr(linear_norm, "ONE_SLICE_FROM", 64)
+    x, weight, _, _ = inputs(16, 300, 72, dtype, seed=11, device=device)
+    assert triton_linear_norm.splits_for(72) == 1 and triton_linear_norm.splits_for(63) == 2
+    launches: list[str] = []
+    for name in ("_parts_kernel", "_sum_kernel"):
+        monkeypatch.setattr(triton_linear_norm, name, Counted(getattr(triton_linear_norm, name), name, launches))
+    one = triton_linear_norm.linear(x, weight)
+    assert launches == ["_parts_kernel"]
+    two = one_slice_both_ways(x, weight)[1]
+    assert one.dtype == dtype and torch.equal(one, two)
+    want = F.linear(x.double(), weight.double()).float()
+    assert (one.float() - want).abs().max().item() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())
+    for m in (0, 9, 15):
+        assert torch.equal(triton_linear_norm.linear(x[m:m + 1], weight)[0], one[m])
+
+
+def test_one_launch_needs_the_gemv_and_a_wide_weight(monkeypatch):
+    x = torch.zeros(2, 8)
+    assert not linear_norm.one_launch(x, torch.zeros(linear_norm.ONE_SLICE_FROM, 8))   # the CPU: torch's
+    monkeypatch.setattr(linear_norm, "applies", lambda t: True)
+    assert linear_norm.one_launch(x, torch.zeros(linear_norm.ONE_SLICE_FROM, 8))
+    assert not linear_norm.one_launch(x, torch.zeros(linear_norm.ONE_SLICE_FROM - 1, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,N", [(2048, 12352), (2048, 9216), (4096, 12352), (4096, 10240)],
+                         ids=["35b-in_proj", "35b-qkv", "9b-in_proj", "9b-qkv"])
+def test_gpu_the_input_projections_are_one_launch_with_the_sum_launchs_bits(K, N, dtype):
+    from tensorfold.kernels.linear_norm import triton_linear_norm
+    assert linear_norm.one_launch(torch.zeros(1, K, device="cuda"), torch.zeros(N, 1))
+    x, weight, _, _ = inputs(16, K, N, dtype, seed=K + N, device="cuda")
+    one, two = one_slice_both_ways(x, weight)
+    assert torch.equal(one, two)
+    assert torch.equal(triton_linear_norm.linear(x[3:4], weight)[0], one[3])
+    want = F.linear(x.double(), weight.double()).float()
+    assert (one.float() - want).abs().max().item() <= TOLERANCE[dtype] * max(1.0, want.abs().max().item())

@@ -8,6 +8,10 @@ where the Triton GEMV applies (the norm reads the partial sums itself) instead o
 and the norm's. A family uses both in its decode step so that a row's bits do not depend on whether the norm came
 fused: the GEMV where the norm is apart (a batched step's one-row streams), the fused form where it follows.
 
+A projection at least ONE_SLICE_FROM features wide (a mixer's stacked input projection) has N blocks enough for
+the SMs: its GEMV is one K slice, rounded and stored by the partial-sums launch itself, one launch in all
+(`one_launch`); narrower ones (an output projection) split K in two.
+
 `ENABLED` (a module constant) turns the Triton GEMV off everywhere at once, for an A/B on the device.
 """
 
@@ -19,15 +23,23 @@ import torch.nn.functional as F
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.rmsnorm import rms_norm
 
-__all__ = ["ENABLED", "ROWS_UP_TO", "applies", "linear", "linear_then_norm"]
+__all__ = ["ENABLED", "ONE_SLICE_FROM", "ROWS_UP_TO", "SPLIT_K", "applies", "linear", "linear_then_norm",
+           "one_launch"]
 
 ENABLED = True
 ROWS_UP_TO = 16     # one 16-row dot tile in the GEMV: a decode step's rows up to 16 streams
+ONE_SLICE_FROM = 8192   # output features from which the GEMV is one K slice in one launch
+SPLIT_K = 2         # K slices of a narrower projection's GEMV, each its own program (partial sums in float32)
 
 
 def applies(x: torch.Tensor) -> bool:
     """The Triton GEMV runs for x: a Triton device, at most ROWS_UP_TO rows, switched on."""
     return ENABLED and use_triton(x) and x.dim() == 2 and x.shape[0] <= ROWS_UP_TO
+
+
+def one_launch(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """linear(x, weight) is the Triton GEMV in one launch: it applies and the weight is ONE_SLICE_FROM rows or more."""
+    return applies(x) and weight.shape[0] >= ONE_SLICE_FROM
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -3,11 +3,13 @@ in two launches instead of three (a library GEMM, its split-K reduce, the norm):
 
     parts kernel, program (N block, K split)   parts[s, m, n] = x[m, K slice s] · w[n, K slice s]   (float32)
     sum kernel, program (row)                  y[m] = round(parts[0, m] + parts[1, m] + ...)        (splits in order)
+    a wide projection (N >= ONE_SLICE_FROM)    one K slice, rounded and stored by the parts kernel: one launch, the
+                                               bits the sum kernel would give
     parts-norm kernel, program (row block)     y as the sum kernel; s = round(y + residual) -> written, the next
                                                residual; out = the RMSNorm of s (rmsnorm's own body and tiles)
 
 The parts-norm kernel's bits are the sum kernel's then triton_rmsnorm's rms_norm with a residual, op for op. The
-config (tiles, splits, warps) is a function of nothing but the call being one of at most ROWS_UP_TO rows,
+config (tiles, splits, warps, stages) is a function of nothing but the weight's shape (`splits_for`),
 and a row's products read only its own x row: a row's bits are the same alone or among up to ROWS_UP_TO rows.
 Float32 dots run in IEEE float32 (no TF32); bfloat16 dots accumulate in float32.
 """
@@ -18,22 +20,23 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorfold.kernels import pdl
-from tensorfold.kernels.linear_norm import ROWS_UP_TO
+from tensorfold.kernels import linear_norm, pdl
+from tensorfold.kernels.linear_norm import ROWS_UP_TO, SPLIT_K
 from tensorfold.kernels.rmsnorm.triton_rmsnorm import blocks, normalise_rows
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_N = 32        # output features per program
 BLOCK_K = 256       # reduction step
-SPLIT_K = 2         # K slices, each its own program (partial sums in float32)
 NUM_WARPS = 4
+NUM_STAGES = 3      # software pipelining depth of the K loop
 
 
 @triton.jit
 def _parts_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, K_SLICE, s_xm, s_wn, s_ps, s_pm,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    """parts[split, rows, n block] = x[rows, K slice] · w[n block, K slice]ᵀ in float32."""
+                  ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
+    """parts[split, rows, n block] = x[rows, K slice] · w[n block, K slice]ᵀ in float32 (ROUND: one slice, rounded
+    to parts' dtype, the finished projection)."""
     pdl.ordered(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -50,6 +53,8 @@ def _parts_kernel(x_ptr, w_ptr, parts_ptr, M, N, K, K_SLICE, s_xm, s_wn, s_ps, s
         b = tl.load(w_ptr + n[None, :].to(tl.int64) * s_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if ROUND:
+        acc = round_to(acc, parts_ptr.dtype.element_ty)
     tl.store(parts_ptr + split * s_ps + rows[:, None] * s_pm + n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -92,20 +97,36 @@ def _parts_norm_kernel(parts_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, M, D, s_ps, s_
     normalise_rows(x, rows, cols, mask, w_ptr, out_ptr, s_o, D, eps, ZERO_CENTRED, False)
 
 
-def parts(x: torch.Tensor, weight: torch.Tensor, splits: int = SPLIT_K) -> torch.Tensor:
-    """x [M, K] (M <= ROWS_UP_TO), weight [N, K] -> float32 partial sums [splits, M, N] (split s over K slice s)."""
+def splits_for(N: int) -> int:
+    """K slices of a projection to N features: one where N blocks alone fill the SMs, else SPLIT_K."""
+    return 1 if N >= linear_norm.ONE_SLICE_FROM else SPLIT_K
+
+
+def _launch_parts(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int, round_out: bool) -> None:
     M, K = x.shape
     N = weight.shape[0]
     if M > ROWS_UP_TO:
         raise ValueError(f"linear_norm: at most {ROWS_UP_TO} rows, got {M}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    out = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     k_slice = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
     _parts_kernel[(triton.cdiv(N, BLOCK_N), splits)](
-        x, weight, out, M, N, K, k_slice, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=ROWS_UP_TO, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, **pdl.options(x))
+        x, weight, out, M, N, K, k_slice, x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0,
+        out.stride(-2), BLOCK_M=ROWS_UP_TO, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROUND=round_out, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES, **pdl.options(x))
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit last stride, as the loads assume (a copy only when it has not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def parts(x: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= ROWS_UP_TO), weight [N, K] -> float32 partial sums [splits, M, N] (split s over K slice s;
+    splits: the shape's, splits_for(N), unless given)."""
+    x, weight = _unit(x), _unit(weight)
+    splits = splits_for(weight.shape[0]) if splits is None else splits
+    out = torch.empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    _launch_parts(x, weight, out, splits, round_out=False)
     return out
 
 
@@ -115,8 +136,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    p = parts(x, weight)
-    _sum_kernel[(M,)](p, out, M, N, p.stride(0), p.stride(1), out.stride(0), SPLITS=SPLIT_K,
+    splits = splits_for(N)
+    if splits == 1:                                   # the parts kernel rounds and stores the projection itself
+        _launch_parts(_unit(x), _unit(weight), out, 1, round_out=True)
+        return out
+    p = parts(x, weight, splits)
+    _sum_kernel[(M,)](p, out, M, N, p.stride(0), p.stride(1), out.stride(0), SPLITS=splits,
                       BLOCK_D=triton.next_power_of_2(N), num_warps=4, **pdl.options(x))
     return out
 
@@ -133,7 +158,7 @@ def linear_then_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     p = parts(x, weight)
     block_n, block_d, num_warps, grid = blocks(M, D)
     _parts_norm_kernel[grid](p, residual, norm_weight.contiguous(), out, total, M, D, p.stride(0), p.stride(1),
-                             residual.stride(0), out.stride(0), total.stride(0), float(eps), SPLITS=SPLIT_K,
+                             residual.stride(0), out.stride(0), total.stride(0), float(eps), SPLITS=p.shape[0],
                              ZERO_CENTRED=zero_centred, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
                              **pdl.options(x))
     return out, total
