@@ -198,6 +198,61 @@ def test_triton_prefill_varlen_matches_naive(dtype, device):
     assert torch.equal(out[lo:], alone)
 
 
+@pytest.mark.parametrize("path", [pytest.param("triton", marks=pytest.mark.triton), "public"])
+@pytest.mark.parametrize("lengths,H,KVH,D,Dv,R,dtype", [DECODE[1], DECODE[3], DECODE[4]])
+def test_a_gated_decode_is_the_decode_then_sigmoid_mul(path, lengths, H, KVH, D, Dv, R, dtype, device):
+    """The gate (halves interleaved with other columns, read in place) applied in the combine launch gives the bits
+    of the ungated decode then silu_gate.sigmoid_mul."""
+    from tensorfold.kernels.paged_attention import triton_decode
+    from tensorfold.kernels.silu_gate import sigmoid_mul
+    pool = Pool(lengths, R, KVH, D, Dv, dtype, device, seed=7)
+    B = len(lengths)
+    q = torch.randn(B, H, D).to(dtype).to(device)
+    columns = (torch.randn(B, H, 2 * Dv) * 3).to(dtype).to(device)
+    gate = columns[..., Dv:]                                                 # [B, H, Dv], row stride 2·H·Dv
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if path == "triton":
+        plain = triton_decode.paged_decode(q, pool.k, pool.v, pool.tables, lens, 0.3)
+        gated = triton_decode.paged_decode(q, pool.k, pool.v, pool.tables, lens, 0.3, gate=gate)
+        want = triton_gate_sigmoid_mul(plain.reshape(B, H * Dv), gate)
+    else:
+        plain = paged_attention.paged_decode(q, pool.k, pool.v, pool.tables, lens, 0.3)
+        gated = paged_attention.paged_decode(q, pool.k, pool.v, pool.tables, lens, 0.3, gate=gate)
+        want = sigmoid_mul(plain.reshape(B, H * Dv), gate)
+    assert gated.shape == (B, H, Dv) and gated.dtype == dtype
+    assert torch.equal(gated.reshape(B, H * Dv), want)
+
+
+def triton_gate_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    from tensorfold.kernels.silu_gate import triton_gate
+    return triton_gate.sigmoid_mul(x, gate)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_gated_decode_at_qwen3_5s_attention_shape():
+    """16 query heads over 2 kv heads of 256, bf16, streams of 1 to 2,000 keys: the gated combine's bits are the
+    decode's then sigmoid_mul's."""
+    from tensorfold.kernels.paged_attention import triton_decode
+    lengths = [1, 300, 2000]
+    pool = Pool(lengths, 16, 2, 256, 256, torch.bfloat16, "cuda", seed=9)
+    q = torch.randn(3, 16, 256).bfloat16().cuda()
+    columns = (torch.randn(3, 16, 512) * 3).bfloat16().cuda()
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    plain = triton_decode.paged_decode(q, pool.k, pool.v, pool.tables, lens, 256 ** -0.5)
+    gated = triton_decode.paged_decode(q, pool.k, pool.v, pool.tables, lens, 256 ** -0.5, gate=columns[..., 256:])
+    assert torch.equal(gated.reshape(3, -1), triton_gate_sigmoid_mul(plain.reshape(3, -1), columns[..., 256:]))
+
+
+def test_a_bad_gate_is_named(device):
+    pool = Pool([20], 16, 2, 16, 16, torch.float32, device)
+    q = torch.randn(1, 4, 16, device=device)
+    lens = torch.tensor([20], dtype=torch.int32, device=device)
+    for gate in (torch.randn(1, 4, 8, device=device), torch.randn(1, 4, 16, device=device).half()):
+        with pytest.raises(ValueError, match=r"gate must be \[1, 4, 16\]"):
+            paged_attention.paged_decode(q, pool.k, pool.v, pool.tables, lens, gate=gate)
+
+
 def test_public_ops_dispatch_and_default_scale(device):
     """The public functions give the backend's result; scale defaults to D^-0.5."""
     pool = Pool([20, 9], 16, 2, 16, 16, torch.float32, device)

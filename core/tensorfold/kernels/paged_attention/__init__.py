@@ -18,6 +18,7 @@ import torch
 
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.paged_attention import naive
+from tensorfold.kernels.silu_gate import sigmoid_mul
 
 __all__ = ["paged_decode", "paged_prefill", "paged_prefill_varlen"]
 
@@ -59,22 +60,34 @@ def _check_index(name: str, t: torch.Tensor, dims: int, q: torch.Tensor, leading
 
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor, scale: float | None = None, gate: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """One query token per stream over its keys [0, lengths[b]): q [B, H, D] -> [B, H, Dv].
 
     tables [B, max_pages] int32 (each stream's pages in row order, padded with any valid id); lengths [B] int32,
     the keys visible to the query (its position + 1; 0 gives zeros). Batch-invariant: a stream's result is the
     same bits alone or in any batch (the Triton path splits a stream's keys every SPLIT_KEYS = 512 keys of its
     own length, and merges the splits in order).
+
+    gate [B, H, Dv] (q's dtype and device, any strides: e.g. gate halves read in place from a fused projection):
+    the output gated, out · sigmoid(gate), the bits of silu_gate.sigmoid_mul on the ungated output; the Triton path
+    gates in its combine launch (one launch fewer).
     """
     _check_heads(q, k_pages, v_pages)
     _check_index("tables", tables, 2, q, q.shape[0])
     _check_index("lengths", lengths, 1, q, q.shape[0])
+    B, H, Dv = q.shape[0], q.shape[1], v_pages.shape[-1]
+    if gate is not None and (tuple(gate.shape) != (B, H, Dv) or gate.dtype != q.dtype or gate.device != q.device):
+        raise ValueError(f"gate must be [{B}, {H}, {Dv}] {q.dtype} on {q.device} (q's rows and heads, the value "
+                         f"dim); got {list(gate.shape)} {gate.dtype} on {gate.device}")
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if use_triton(q):
         from tensorfold.kernels.paged_attention import triton_decode
-        return triton_decode.paged_decode(q, k_pages, v_pages, tables, lengths, scale)
-    return naive.paged_decode(q, k_pages, v_pages, tables, lengths, scale)
+        if gate is not None and gate.stride(-1) != 1:
+            gate = gate.contiguous()
+        return triton_decode.paged_decode(q, k_pages, v_pages, tables, lengths, scale, gate=gate)
+    out = naive.paged_decode(q, k_pages, v_pages, tables, lengths, scale)
+    return out if gate is None else sigmoid_mul(out.reshape(B, H * Dv), gate).view(B, H, Dv)
 
 
 def paged_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor, start: int,

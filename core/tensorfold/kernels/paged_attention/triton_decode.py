@@ -5,6 +5,7 @@ fixed-order combine, so a stream's bits never depend on the batch around it.
         kv head's GROUP query heads at once (one K/V read serves the group); online softmax in fp32, base 2
         -> m_j (running max), l_j (sum of exp), acc_j (unnormalised output)                     [B, H, splits]
     pass 2, program (b, head):  M = max_j m_j;  out = Σ_j 2^(m_j - M) acc_j / Σ_j 2^(m_j - M) l_j, j in order
+                                (with a gate: out rounded, then silu_gate.sigmoid_mul's round(out · round(σ(g))))
 
 A stream's split size S_b is a function of its own length alone: its keys spread over SPREAD splits, each a whole
 number of key blocks, at least one block and at most SPLIT_KEYS keys (so a short stream still occupies SPREAD
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.triton_rounding import round_to
 
 SPLIT_KEYS = 512      # keys per split at most: a stream of n keys runs at least cdiv(n, SPLIT_KEYS) splits
 SPREAD = 32           # splits a stream's keys spread over while a split stays under SPLIT_KEYS keys
@@ -91,10 +93,11 @@ def _split_kernel(q, k_pages, v_pages, tables, lengths, part_m, part_l, part_acc
 
 
 @triton.jit
-def _combine_kernel(part_m, part_l, part_acc, lengths, out, heads, splits, s_ob, s_oh, s_od,
+def _combine_kernel(part_m, part_l, part_acc, lengths, out, gate, heads, splits, s_ob, s_oh, s_od, s_gb, s_gh,
                     SPLIT: tl.constexpr, SPREAD: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False):
-    """Merge one (stream, head)'s splits in split order; a stream with no keys reads zeros."""
+                    BLOCK_DV: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False):
+    """Merge one (stream, head)'s splits in split order; a stream with no keys reads zeros. GATED: the result
+    times sigmoid(gate[b, h]), each rounded as triton_gate's sigmoid_mul rounds."""
     pdl.ordered(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -111,8 +114,12 @@ def _combine_kernel(part_m, part_l, part_acc, lengths, out, heads, splits, s_ob,
         w = tl.exp2(tl.load(part_m + base + j) - top)
         total += w * tl.load(part_l + base + j)
         acc += w * tl.load(part_acc + (base + j) * DV + dv, mask=dv < DV, other=0.0)
-    o = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out + b.to(tl.int64) * s_ob + h * s_oh + dv * s_od, o.to(out.dtype.element_ty), mask=dv < DV)
+    ty = out.dtype.element_ty
+    o = round_to(acc / tl.where(total > 0, total, 1.0), ty)
+    if GATED:
+        g = tl.load(gate + b.to(tl.int64) * s_gb + h * s_gh + dv, mask=dv < DV, other=0.0).to(tl.float32)
+        o = round_to(o * round_to(1.0 / (1.0 + tl.exp(-g)), ty), ty)
+    tl.store(out + b.to(tl.int64) * s_ob + h * s_oh + dv * s_od, o, mask=dv < DV)
 
 
 def _block_n(D: int, Dv: int, itemsize: int, block_g: int) -> tuple[int, int, int]:
@@ -126,10 +133,11 @@ def _block_n(D: int, Dv: int, itemsize: int, block_g: int) -> tuple[int, int, in
 
 
 def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor, scale: float, split_keys: int = SPLIT_KEYS, spread: int = SPREAD
-                 ) -> torch.Tensor:
+                 lengths: torch.Tensor, scale: float, split_keys: int = SPLIT_KEYS, spread: int = SPREAD,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention through page tables (inputs validated by the caller): [B, H, D] -> [B, H, Dv]; a stream's
-    keys spread over `spread` splits of at most `split_keys` keys (module docstring)."""
+    keys spread over `spread` splits of at most `split_keys` keys (module docstring); gate [B, H, Dv] (unit last
+    stride): the output gated in the combine launch."""
     B, H, D = q.shape
     _, R, KVH, Dv = v_pages.shape
     if max(D, Dv) > 256:
@@ -154,7 +162,8 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **pdl.options(q))
     _combine_kernel[(B, H)](
-        part_m, part_l, part_acc, lengths, out, H, splits, *out.stride(),
+        part_m, part_l, part_acc, lengths, out, out if gate is None else gate, H, splits, *out.stride(),
+        *((0, 0) if gate is None else gate.stride()[:2]),
         SPLIT=split_keys, SPREAD=spread, BLOCK_N=block_n, DV=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
-        num_warps=1 if Dv <= 128 else 2, **pdl.options(part_m))
+        GATED=gate is not None, num_warps=1 if Dv <= 128 else 2, **pdl.options(part_m))
     return out
