@@ -52,6 +52,12 @@ BLOCK_M = 16          # decode: rows per expert block; every group is padded to 
 PREFILL_BLOCK_M = 128  # prefill: rows per expert block (bench/moe_tiles.py picked the tiles)
 PAIR_BLOCKS_UP_TO = 72  # decode, at most this many (row, expert) pairs: one block per pair, no grouping
                         # (8 streams at k = 8, plus a shared expert run as a ninth pair)
+DECODE_BLOCK_F = 32     # decode gate_up: output features per program
+DECODE_STEP_E = 128     # decode gate_up, 16-bit: the reduction step over E
+DECODE_BLOCK_E = 32     # decode down: output features per program
+DECODE_STEP_F = 64      # decode down, 16-bit: the reduction step over F
+DECODE_WARPS = 4
+DECODE_STAGES = 3       # the decode K loops' software pipelining depth
 KINDS = ("decode", "prefill")
 
 
@@ -84,11 +90,12 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
         return Config(block_f=tile(F, 128), block_k_e=tile(E, 64), block_e=tile(E, 128), block_k_f=tile(F, 64),
                       block_sum=block_sum, precision=precision, num_warps=8, block_m=PREFILL_BLOCK_M,
                       num_stages=3, grouped_only=True)
-    step = 32 if dtype == torch.float32 else 64
+    step = 32 if dtype == torch.float32 else DECODE_STEP_F
     # decode: 32-wide F and E tiles, so a step's few pairs still spread over the SMs; bf16 reads E in 128-deep steps
     # (bench/moe_tiles.py --decode picked them at the 35B-A3B shape, docs/kernels.md)
-    decode = Config(block_f=tile(F, 32), block_k_e=tile(E, 32 if dtype == torch.float32 else 128),
-                    block_e=tile(E, 32), block_k_f=tile(F, step), block_sum=block_sum, precision=precision)
+    decode = Config(block_f=tile(F, DECODE_BLOCK_F), block_k_e=tile(E, 32 if dtype == torch.float32 else DECODE_STEP_E),
+                    block_e=tile(E, DECODE_BLOCK_E), block_k_f=tile(F, step), block_sum=block_sum,
+                    precision=precision, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
     if kind == "prefill":   # float32 (the checking mode): the decode tiles, grouped in 128-row blocks
         return attrs.evolve(decode, block_m=PREFILL_BLOCK_M, grouped_only=True)
     return decode
