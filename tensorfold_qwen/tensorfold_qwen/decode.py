@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.causal_conv1d import causal_conv1d_update
 from tensorfold.kernels.gated_delta import recurrent_gated_delta_step_gated
-from tensorfold.kernels.linear_norm import linear, linear_then_norm
+from tensorfold.kernels.linear_norm import linear, linear_then_norm, one_launch
 from tensorfold.kernels.paged_attention import paged_decode
 from tensorfold.kernels.paged_write import row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -38,6 +38,9 @@ from tensorfold_qwen.gdn import GdnWeights
 from tensorfold_qwen.mlp import MoeWeights, moe_then_norm
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
+INPUT_GEMV = False  # the mixers' input projections through kernels.linear_norm's one-launch GEMV; False: torch's
+                    # (off until an A/B on the device picks it: docs/kernels.md "linear_norm")
+GATE_IN_ATTENTION = True    # the attention output gated in paged_decode's combine; False: sigmoid_mul apart (an A/B)
 
 
 def decode(model, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
@@ -94,11 +97,17 @@ def gdn(w: GdnWeights, c, h: torch.Tensor, slots: torch.Tensor, index: int, kv: 
     return linear(gdn_heads(w, c, h, slots, index, kv), w.out_proj)
 
 
+def project_inputs(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A mixer's stacked input projection of one-row streams: linear_norm's GEMV where it is one launch (with
+    programmatic dependent launch), so the launches around it need not wait for a library GEMM; else torch's."""
+    return linear(h, weight) if INPUT_GEMV and one_launch(h, weight) else F.linear(h, weight)
+
+
 def gdn_heads(w: GdnWeights, c, h: torch.Tensor, slots: torch.Tensor, index: int, kv: KvStore) -> torch.Tensor:
     """Gated DeltaNet before its output projection: [B, E] -> [B, NV·DV]. One GEMM for [qkv | z | b | a], the
     gate and the q/k l2 norms inside the step kernel."""
     B, C, Z, NV = h.shape[0], 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim, c.v_heads * c.v_dim, c.v_heads
-    proj = F.linear(h, w.in_proj)                                                       # [B, C + Z + 2·NV]
+    proj = project_inputs(h, w.in_proj)                                                 # [B, C + Z + 2·NV]
     mixed = causal_conv1d_update(proj[:, :C], w.conv, kv.fixed_states(index, CONV), slots)   # [B, C]
     q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
     out = recurrent_gated_delta_step_gated(
@@ -122,16 +131,19 @@ def attention_heads(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Te
                     inv_freq: torch.Tensor) -> torch.Tensor:
     """Gated attention before its output projection: [B, E] -> [B, H·D] (the heads gated by sigmoid(gate)).
     dest: each row's flat page row (-1: write none); lengths: keys each row sees (0: none). On a Triton device the
-    norms, rotations and page writes are one launch (attention_inputs.py), bit for bit the unfused kernels."""
+    norms, rotations and page writes are one launch (attention_inputs.py), bit for bit the unfused kernels, and the
+    gate is applied in paged decode's combine launch, bit for bit sigmoid_mul."""
     k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
     if use_triton(h):
         from tensorfold_qwen.attention_inputs import attention_inputs as fused_attention_inputs
 
         N, H, D = h.shape[0], c.heads, c.head_dim
-        proj = F.linear(h, w.qkv)                                                       # [N, 2HD + 2·KV·D]
+        proj = project_inputs(h, w.qkv)                                                 # [N, 2HD + 2·KV·D]
         q = fused_attention_inputs(proj, w.q_norm, w.k_norm, c.rms_norm_eps, positions, inv_freq, c.rotary_dim,
                                    H, c.kv_heads, D, k_pages, v_pages, dest)
         gate = proj[:, : 2 * H * D].view(N, H, 2 * D)[..., D:]                        # [N, H, D] in place
+        if GATE_IN_ATTENTION:                                   # gated in paged decode's combine launch
+            return paged_decode(q, k_pages, v_pages, tables, lengths, c.head_dim ** -0.5, gate=gate).view(N, H * D)
     else:
         q, gate, k, v = attention_inputs(w, c, h, positions, inv_freq)
         write_rows(k_pages, k, dest)

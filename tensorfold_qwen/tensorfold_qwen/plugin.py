@@ -17,15 +17,15 @@ from tensorfold.checkpoint import Checkpoint
 from tensorfold.hookspecs import hookimpl
 from tensorfold.image import ImageFormat
 from tensorfold.kernels.gated_delta.naive import CHUNK
-from tensorfold.kernels.linear_norm import ROWS_UP_TO
+from tensorfold.kernels.linear_norm import ONE_SLICE_FROM, ROWS_UP_TO, SPLIT_K
 from tensorfold.kernels.moe import TILES
 from tensorfold.kernels.moe.routing import ROUTER_SPLITS
 from tensorfold.layout import FixedState, LayerLayout, Layout, RowState, dtype_name
 from tensorfold.settings import Settings
 from tensorfold.shard import Shard, TensorParallel
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
+from tensorfold_qwen import decode, parallel
 from tensorfold_qwen import load as loader
-from tensorfold_qwen import parallel
 from tensorfold_qwen.config import FULL, MODEL_TYPES, SERVED_DTYPES, QwenConfig, unsupported
 from tensorfold_qwen.model import CONV, KEYS, RECURRENT, VALUES, QwenModel
 
@@ -163,7 +163,17 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "gdn_state": f"recurrent float32, conv tail {dtype_name(dtype)} (last {c.conv_kernel - 1} inputs)",
         "gdn_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {dtype_name(dtype)}; 1-token steps "
                          "recurrent",
+        "projections": projections_fact(),
     }
+
+
+def projections_fact() -> str:
+    """How one-row streams project on a Triton device (decode.py, kernels.linear_norm): a kept state made another
+    way is not resumed."""
+    inputs = (f"one K slice from {ONE_SLICE_FROM} output features, one launch" if decode.INPUT_GEMV
+              else "a library GEMM")
+    return (f"one-row streams (up to {ROWS_UP_TO}): the input projections {inputs}; the output projection a "
+            f"{SPLIT_K}-slice split-K GEMV, its sum fused with the residual add and the norm")
 
 
 def experts_fact(c: QwenConfig) -> str:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes
+from tensorfold.kernels import linear_norm
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
-from tensorfold_qwen import plugin
+from tensorfold_qwen import decode, plugin
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CONTEXT = 256
@@ -50,9 +51,14 @@ def greedy(subject, prompts: list[list[int]], steps: int, slots: int) -> list[li
     return out
 
 
-def test_concurrent_equals_solo_under_graphs(checkpoint):
+@pytest.mark.parametrize("wide", [False, True], ids=["library-inputs", "gemv-inputs"])
+def test_concurrent_equals_solo_under_graphs(checkpoint, monkeypatch, wide):
     """Each stream decoded alone (graph of batch 1) and among 5 others (padded to the graph of 8): same tokens;
-    bf16, where the decode kernels are batch-invariant by construction and the GEMMs measured so."""
+    bf16, where the decode kernels are batch-invariant by construction and the GEMMs measured so. gemv-inputs: the
+    tiny projections counted wide, so the input projections run linear_norm's one-launch GEMV, as the real shapes'."""
+    if wide:
+        monkeypatch.setattr(linear_norm, "ONE_SLICE_FROM", 64)
+        monkeypatch.setattr(decode, "INPUT_GEMV", True)
     subject = kit.load(load_families(["qwen"])["qwen"], checkpoint, dtype=torch.bfloat16, device="cuda")
     together = greedy(subject, PROMPTS[:5], STEPS, slots=8)
     alone = [greedy(subject, [prompt], STEPS, slots=1)[0] for prompt in PROMPTS[:5]]

@@ -11,6 +11,7 @@ from cuda_disk_turns import ask
 from tensorfold.engine.api import KeepMarks
 from tensorfold.engine.graphs import DecodeRunner, batch_sizes
 from tensorfold.engine.runner import Engine
+from tensorfold.kernels import linear_norm
 from tensorfold.kv import PagedStore
 from tensorfold.memory import StreamMemory
 from tensorfold.plugins import load_families
@@ -18,7 +19,7 @@ from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
 from tensorfold.testing import kit
 from tensorfold.tiers import DeviceTier, HostTier
-from tensorfold_qwen import plugin
+from tensorfold_qwen import decode, plugin
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CONTEXT, PAGE_ROWS, CHUNK, MIN_CHUNK, PARALLEL = 512, 16, 64, 16, 2
@@ -39,7 +40,13 @@ def engine(subject, device_budget: int | None, host: bool) -> tuple[Engine, Stre
     return Engine(runner, mem, CHUNK, CONTEXT, 8, min_chunk=MIN_CHUNK, tier=tier, host=lower), mem
 
 
-def test_resumed_from_pinned_host_equals_fresh_on_cuda(tmp_path):
+@pytest.mark.parametrize("wide", [False, True], ids=["library-inputs", "gemv-inputs"])
+def test_resumed_from_pinned_host_equals_fresh_on_cuda(tmp_path, monkeypatch, wide):
+    """gemv-inputs: the tiny model's projections counted wide, so its decode runs the input projections in
+    linear_norm's one-launch GEMV, as the real shapes do."""
+    if wide:
+        monkeypatch.setattr(linear_norm, "ONE_SLICE_FROM", 64)
+        monkeypatch.setattr(decode, "INPUT_GEMV", True)
     plugin.write_tiny(tmp_path, seed=6)
     subject = kit.load(load_families(["qwen"])["qwen"], tmp_path, dtype=torch.bfloat16, device="cuda")
     layout = subject.declarations.layout

@@ -65,3 +65,17 @@ def test_the_identity_names_the_stacked_mlp(moe):
     facts = plugin.family_identity(config, torch.bfloat16)
     assert ("mlp" in facts) != moe
     assert not moe or "experts" in facts
+
+
+def test_the_identity_names_the_decode_projections(monkeypatch):
+    """The input projections' one-launch GEMV changes a decode step's bits: a state kept under one form is not
+    resumed under the other."""
+    from tensorfold.kernels.linear_norm import ONE_SLICE_FROM
+    from tensorfold_qwen import decode
+
+    facts = {}
+    for on in (False, True):
+        monkeypatch.setattr(decode, "INPUT_GEMV", on)
+        facts[on] = plugin.family_identity(plugin.TINY_CONFIG, torch.bfloat16)["projections"]
+    assert f"one K slice from {ONE_SLICE_FROM} output features" in facts[True]
+    assert "input projections a library GEMM" in facts[False]

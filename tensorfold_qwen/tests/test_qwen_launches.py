@@ -216,9 +216,12 @@ def test_a_prefill_moe_ffn_groups_its_pairs_on_the_device(monkeypatch):
 
 # ---- a decode step's gated attention on the Triton path ---------------------------------------------------------
 
-def test_a_decode_attention_layer_reads_its_gate_in_place(subject, monkeypatch):
-    """The gate halves stay in the projection's columns (sigmoid_mul reads them strided): one GEMM, the fused inputs
-    launch, the paged decode and the gate, no copy of the gate."""
+@pytest.mark.parametrize("gate_in_attention", [True, False], ids=["gated-in-combine", "sigmoid_mul-apart"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_a_decode_attention_layer_reads_its_gate_in_place(subject, monkeypatch, wide, gate_in_attention):
+    """The gate halves stay in the projection's columns (the paged decode's combine, or sigmoid_mul, reads them
+    strided): one GEMM (linear_norm's one-launch GEMV where the projection is wide enough), the fused inputs launch,
+    the paged decode with the gate (or the gate apart), no copy of the gate."""
     import tensorfold_qwen.attention_inputs as fused_inputs
 
     model, store = subject.model, subject.store(2, 64, page_rows=16)
@@ -229,12 +232,17 @@ def test_a_decode_attention_layer_reads_its_gate_in_place(subject, monkeypatch):
     dest = decode.row_ids(tables, positions, torch.tensor([True, True]), 16)
     lengths = (positions + 1).to(torch.int32)
     monkeypatch.setattr(decode, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(decode, "one_launch", lambda x, weight: wide)       # switched on, and wide enough
+    monkeypatch.setattr(decode, "INPUT_GEMV", wide)
+    monkeypatch.setattr(decode, "GATE_IN_ATTENTION", gate_in_attention)
     with counting(monkeypatch) as mode:
+        monkeypatch.setattr(decode, "linear", opaque(mode, "linear", decode.linear))
         monkeypatch.setattr(fused_inputs, "attention_inputs",
                             opaque(mode, "attention_inputs", fused_inputs.attention_inputs))
         out = decode.attention_heads(model.weights.layers[index].mixer, model.config, h, positions, tables, dest,
                                      lengths, index, store, model.inv_freq)
     c = model.config
     assert out.shape == (2, c.heads * c.head_dim)
-    assert mode.ops == Counter({"mm": 1, "kernel:attention_inputs": 1, "kernel:paged_decode": 1,
-                                "kernel:sigmoid_mul": 1})
+    projection = {"kernel:linear": 1} if wide else {"mm": 1}
+    gating = {} if gate_in_attention else {"kernel:sigmoid_mul": 1}
+    assert mode.ops == Counter({**projection, "kernel:attention_inputs": 1, "kernel:paged_decode": 1, **gating})
