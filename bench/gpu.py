@@ -4,8 +4,8 @@ process, against the machine's measured limits (copy bandwidth, bf16 GEMM peak).
 Prints one JSON line per measurement (and appends them to --out/gpu.jsonl):
     hardware   copy GB/s, bf16 TFLOP/s
     decode     tok/s at each batch, ours and HF; batch 1 as a fraction of the HBM limit
-    decode_<switch>_ab  (--pdl, --linear-norm, --fused-router ab: SWITCHES) our decode at each
-                        batch with the switch on and off
+    decode_<switch>_ab  (--pdl, --linear-norm, --fused-router, --input-gemv, --gate-in-attention ab:
+                        SWITCHES) our decode at each batch with the switch on and off
     prefill    tok/s and MFU at each length, ours and HF
     memory     peak GPU bytes; KV/state bytes per token against the Layout's figure
 
@@ -29,6 +29,7 @@ from tensorfold.kernels.moe import routing
 from tensorfold.kv import PagedStore
 from tensorfold.plan import StepPlan, StreamStep
 from tensorfold.plugins import load_families
+from tensorfold_qwen import decode as qwen_decode
 
 DEVICE = "cuda"
 
@@ -197,17 +198,23 @@ SWITCHES = {
                     "output projection fused with the residual add and the norm (kernels/linear_norm)"),
     "fused_router": (routing, "FUSED_ROUTER", True, False, "a decode step's MoE router as our GEMV and routing "
                      "launches, not a library GEMV (kernels/moe/triton_router)"),
+    "input_gemv": (qwen_decode, "INPUT_GEMV", True, False, "Qwen's decode input projections (in_proj, qkv) as the "
+                   "one-launch GEMV of kernels/linear_norm, not a library GEMV"),
+    "gate_in_attention": (qwen_decode, "GATE_IN_ATTENTION", True, False, "Qwen's decode attention output gated in "
+                          "paged decode's combine launch, not a sigmoid_mul launch apart"),
 }
 
 
 def switch_ab(args: argparse.Namespace, name: str, decode_s, batch: int) -> None:
-    """The decode timed with the switch off, on, off, on (graphs captured anew each time, the switch left on, as
-    `ab` sets it); each side's best as one decode_<name>_ab line."""
+    """The decode timed with the switch off, on, off, on (graphs captured anew each time, the switch left as it
+    was); each side's best as one decode_<name>_ab line."""
     module, attribute, on_value, off_value, _ = SWITCHES[name]
+    shipped = getattr(module, attribute)
     times: dict[bool, list[float]] = {True: [], False: []}
     for on in (False, True, False, True):
         setattr(module, attribute, on_value if on else off_value)
         times[on].append(decode_s())
+    setattr(module, attribute, shipped)
     best = {side: min(times[on]) for side, on in (("on", True), ("off", False))}
     emit(args.out, bench=f"decode_{name}_ab", shape=args.shape, batch=batch,
          **{f"{side}_tok_s": round(batch / s, 1) for side, s in best.items()},
@@ -312,12 +319,13 @@ def main() -> None:
     parser.add_argument("--no-eager", action="store_true", help="skip the eager (graphs off) decode measurement")
     parser.add_argument("--device", default="cuda")
     for name, (*_, what) in SWITCHES.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", default="on", choices=("on", "off", "ab"),
-                            help=f"{what}; ab: each decode batch also timed off, on, off, on in this process "
-                                 f"(a decode_{name}_ab line)")
+        parser.add_argument(f"--{name.replace('_', '-')}", default="shipped", choices=("shipped", "on", "off", "ab"),
+                            help=f"{what}; shipped: as the tree sets it; ab: each decode batch also timed off, on, "
+                                 f"off, on in this process (a decode_{name}_ab line)")
     args = parser.parse_args()
     for name, (module, attribute, on_value, off_value, _) in SWITCHES.items():
-        setattr(module, attribute, off_value if getattr(args, name) == "off" else on_value)
+        if getattr(args, name) in ("on", "off"):
+            setattr(module, attribute, on_value if getattr(args, name) == "on" else off_value)
     global DEVICE
     DEVICE = args.device
     torch.manual_seed(0)
