@@ -4,7 +4,9 @@ on all of them alike. A variant sets module constants (a kernel's tile, stages, 
 captured and restores them after.
 
 Prints one JSON line per variant (and appends them to --out/sweep.jsonl): its step times (ms) in every round, the
-best and the median, and the best as a fraction of the HBM limit at batch 1.
+best and the median, and the best as a fraction of the HBM limit at batch 1. With --combine MARGIN, the variants
+whose median beats the base's by more than MARGIN are then set together (`combined`; of two that set one constant,
+the faster whole) and timed against the base (`base_again`) for as many rounds again.
 
     python bench/decode_sweep.py --shape qwen3_5-moe-35b --rounds 3 --out $OUT \\
         --variant stages4=tensorfold.kernels.linear_norm.triton_linear_norm:NUM_STAGES=4 \\
@@ -60,6 +62,34 @@ def applied(settings: tuple[Setting, ...]) -> list[tuple[object, str, object]]:
     return restore
 
 
+def combined(variants: list[tuple[str, tuple[Setting, ...]]], times: dict[str, list[float]], margin: float
+             ) -> tuple[Setting, ...]:
+    """The settings of every variant whose median beats the base's by more than `margin` (a fraction), fastest
+    first; a variant that sets a constant a faster one set is left out whole (its settings belong together)."""
+    base = statistics.median(times["base"])
+    winners = sorted((statistics.median(times[name]), name, settings) for name, settings in variants
+                     if name != "base" and statistics.median(times[name]) < base * (1 - margin))
+    chosen: dict[tuple[str, str], Setting] = {}
+    for _, _, settings in winners:
+        if not any((s.module, s.attribute) in chosen for s in settings):
+            chosen |= {(s.module, s.attribute): s for s in settings}
+    return tuple(chosen.values())
+
+
+def timed_rounds(variants: list[tuple[str, tuple[Setting, ...]]], times: dict[str, list[float]], rounds: int,
+                 measure) -> None:
+    """Each variant timed once a round, in turn, its constants set for its own timing only."""
+    for _ in range(rounds):
+        for name, settings in variants:
+            restore = applied(settings)
+            try:
+                times.setdefault(name, []).append(measure())
+                print(f"# {name} {times[name][-1] * 1e3:.3f} ms", flush=True)   # progress, if cut short
+            finally:
+                for module, attribute, value in restore:
+                    setattr(module, attribute, value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="decode variants timed in one process")
     parser.add_argument("--shape", default="qwen3_5-moe-35b", choices=sorted(gpu.SHAPES))
@@ -68,6 +98,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], help="name=module:attr=value[,...] (repeatable)")
+    parser.add_argument("--combine", type=float, default=None, metavar="MARGIN",
+                        help="then the winners' settings together (`combined`: medians better than the base's by "
+                             "more than MARGIN, a fraction) timed against the base for --rounds more rounds")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
@@ -80,18 +113,18 @@ def main() -> None:
     ours, layout = gpu.ours_in_place_of(hf, config, args.shape, torch.bfloat16)
     del hf
     moved = read + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
-    times: dict[str, list[float]] = {name: [] for name, _ in variants}
+    times: dict[str, list[float]] = {}
+
+    def measure() -> float:
+        return gpu.our_decode(ours, layout, args.batch, args.prompt, args.steps, args.prompt, graphs=True)
+
     with torch.inference_mode():
-        for _ in range(args.rounds):
-            for name, settings in variants:
-                restore = applied(settings)
-                try:
-                    times[name].append(gpu.our_decode(ours, layout, args.batch, args.prompt, args.steps,
-                                                      args.prompt, graphs=True))
-                    print(f"# {name} {times[name][-1] * 1e3:.3f} ms", flush=True)   # progress, if cut short
-                finally:
-                    for module, attribute, value in restore:
-                        setattr(module, attribute, value)
+        timed_rounds(variants, times, args.rounds, measure)
+        if args.combine is not None:
+            together = combined(variants, times, args.combine)
+            final = [("base_again", ()), ("combined", together)]
+            timed_rounds(final, times, args.rounds, measure)
+            variants += final
     for name, settings in variants:
         best = min(times[name])
         record = {"bench": "decode_variant", "shape": args.shape, "batch": args.batch, "variant": name,

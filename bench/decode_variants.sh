@@ -19,21 +19,21 @@ tensorfold_qwen/tests/test_qwen_cuda_decode.py
 tensorfold_qwen/tests/test_qwen_cuda_resume.py tensorfold_qwen/tests/test_qwen_cuda_pdl.py
 tests/core/kernels/test_moe_gpu.py
 LIST
-SHARD_FILES=$SHARDS TEST_SECONDS=${TEST_SECONDS:-150} bash bench/gpu_tests.sh > /dev/null 2>&1; phase tests
+SHARD_FILES=$SHARDS TEST_SECONDS=${TEST_SECONDS:-140} bash bench/gpu_tests.sh > /dev/null 2>&1; phase tests
 cat "$OUT/gpu-tests.log"
 L=tensorfold.kernels.linear_norm.triton_linear_norm
 M=tensorfold.kernels.moe.triton_moe
 G=tensorfold.kernels.gated_delta.triton_recurrent
 Q=tensorfold_qwen.decode
-timeout -k 10 "${SWEEP_SECONDS:-300}" python3 bench/decode_sweep.py --shape qwen3_5-moe-35b --rounds 3 --steps 128 \
-  --out "$OUT" \
+timeout -k 10 "${SWEEP_SECONDS:-330}" python3 bench/decode_sweep.py --shape qwen3_5-moe-35b --rounds 3 --steps 128 \
+  --combine 0.005 --out "$OUT" \
   --variant input_gemv=$Q:INPUT_GEMV=True --variant gate_apart=$Q:GATE_IN_ATTENTION=False \
   --variant input_gemv_stages4=$Q:INPUT_GEMV=True,$L:NUM_STAGES=4 --variant gemv_stages4=$L:NUM_STAGES=4 \
-  --variant gemv_bn16=$L:BLOCK_N=16 --variant gemv_bn64=$L:BLOCK_N=64 --variant gemv_bk128=$L:BLOCK_K=128 \
+  --variant gemv_bn16=$L:BLOCK_N=16 --variant gemv_bn64=$L:BLOCK_N=64 \
   --variant gemv_w8=$L:NUM_WARPS=8 \
   --variant moe_bf16=$M:DECODE_BLOCK_F=16 --variant moe_be64=$M:DECODE_BLOCK_E=64 \
   --variant moe_stepE256=$M:DECODE_STEP_E=256 --variant moe_stepF128=$M:DECODE_STEP_F=128 \
-  --variant moe_w8=$M:DECODE_WARPS=8 --variant gdn_bv64=$G:BLOCK_V=64 --variant gdn_bv16=$G:BLOCK_V=16 \
+  --variant gdn_bv64=$G:BLOCK_V=64 --variant gdn_bv16=$G:BLOCK_V=16 \
   > "$OUT/sweep.log" 2>&1; phase sweep $?
 grep "^# " "$OUT/sweep.log" | tr "\n" ";"; echo
 LEFT=$(( ${TOTAL_SECONDS:-560} - (SECONDS - T0) ))
