@@ -14,7 +14,7 @@ PHASES=none TOTAL_SECONDS=120 bash bench/issue19_gpu.sh > "$OUT/install.log" 2>&
 export PYTHONPATH=/tmp/site
 SHARDS=$(mktemp)
 cat > "$SHARDS" <<'LIST'
-tests/core/kernels/test_linear_norm.py tests/core/kernels/test_moe_router.py tests/core/kernels/test_paged_attention.py
+tests/core/kernels/test_linear_norm.py tests/core/kernels/test_moe_router.py tests/core/kernels/test_paged_attention.py tests/core/kernels/test_moe_routing.py
 tensorfold_qwen/tests/test_qwen_cuda_decode.py
 tensorfold_qwen/tests/test_qwen_cuda_resume.py tensorfold_qwen/tests/test_qwen_cuda_pdl.py
 tests/core/kernels/test_moe_gpu.py
@@ -25,6 +25,7 @@ L=tensorfold.kernels.linear_norm.triton_linear_norm
 M=tensorfold.kernels.moe.triton_moe
 G=tensorfold.kernels.gated_delta.triton_recurrent
 Q=tensorfold_qwen.decode
+R=tensorfold.kernels.moe.triton_routing
 timeout -k 10 "${SWEEP_SECONDS:-330}" python3 bench/decode_sweep.py --shape qwen3_5-moe-35b --rounds 3 --steps 128 \
   --combine 0.005 --out "$OUT" \
   --variant input_gemv=$Q:INPUT_GEMV=True --variant gate_apart=$Q:GATE_IN_ATTENTION=False \
@@ -33,7 +34,7 @@ timeout -k 10 "${SWEEP_SECONDS:-330}" python3 bench/decode_sweep.py --shape qwen
   --variant gemv_w8=$L:NUM_WARPS=8 \
   --variant moe_bf16=$M:DECODE_BLOCK_F=16 --variant moe_be64=$M:DECODE_BLOCK_E=64 \
   --variant moe_stepE256=$M:DECODE_STEP_E=256 --variant moe_stepF128=$M:DECODE_STEP_F=128 \
-  --variant gdn_bv64=$G:BLOCK_V=64 --variant gdn_bv16=$G:BLOCK_V=16 \
+  --variant gdn_bv64=$G:BLOCK_V=64 --variant gdn_bv16=$G:BLOCK_V=16 --variant route_max_min=$R:PACKED_KEYS=False \
   > "$OUT/sweep.log" 2>&1; phase sweep $?
 grep "^# " "$OUT/sweep.log" | tr "\n" ";"; echo
 LEFT=$(( ${TOTAL_SECONDS:-560} - (SECONDS - T0) ))

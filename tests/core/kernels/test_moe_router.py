@@ -73,6 +73,16 @@ def test_a_rows_pairs_are_the_same_alone_and_among_sixteen(dtype, device):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "max-then-min"])
+def test_either_top_k_form_gives_the_twins_pairs(packed, device, monkeypatch):
+    """bfloat16: the route launch's top-k on packed keys or as a max and a min a round (triton_routing)."""
+    from tensorfold.kernels.moe import triton_routing
+    monkeypatch.setattr(triton_routing, "PACKED_KEYS", packed)
+    x, weight = inputs(5, 512, 65, torch.bfloat16, seed=11, device=device)
+    check_against_the_twin(x, weight, 8, True, RTOL[torch.bfloat16])
+
+
+@pytest.mark.triton
 def test_the_logits_are_the_projection_within_the_dtypes_tolerance(device):
     x, weight = inputs(4, 700, 50, torch.float32, seed=3, device=device)
     got = split_logits(x, weight).double()
@@ -120,14 +130,17 @@ def test_the_rows_bound_and_the_switch_pick_the_gemm(monkeypatch):
 @pytest.mark.triton
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_router_at_the_35b_shape(dtype):
+def test_gpu_router_at_the_35b_shape(dtype, monkeypatch):
     """E 2048, 256 experts and the shared gate, k 8: the routing kernel's pairs at 1, 8 and 16 rows over many
-    draws, no host sync, and graph replays equal to eager calls."""
-    from tensorfold.kernels.moe import triton_router
-    for seed in range(12):
-        M = (1, 8, 16)[seed % 3]
-        x, weight = inputs(M, 2048, 257, dtype, seed=seed, device="cuda")
-        check_against_the_twin(x, weight, 8, True, RTOL[dtype])
+    draws (bfloat16: with either top-k form), no host sync, and graph replays equal to eager calls."""
+    from tensorfold.kernels.moe import triton_router, triton_routing
+    for packed in (False, True):
+        monkeypatch.setattr(triton_routing, "PACKED_KEYS", packed)
+        for seed in range(12):
+            M = (1, 8, 16)[seed % 3]
+            x, weight = inputs(M, 2048, 257, dtype, seed=seed, device="cuda")
+            check_against_the_twin(x, weight, 8, True, RTOL[dtype])
+    monkeypatch.undo()
     x, weight = inputs(8, 2048, 257, dtype, seed=100, device="cuda")
     call = lambda: triton_router.router_top_k(x, weight, 8, True)  # noqa: E731
     call()

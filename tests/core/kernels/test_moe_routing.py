@@ -227,6 +227,79 @@ def test_ordered_decode_alignment_issues_no_op():
     assert triton_moe.PAIR_BLOCKS_UP_TO >= 8 * (8 + 1)           # 8 decode streams at k = 8 plus a shared expert
 
 
+# ---- bfloat16 logits: the top-k on packed keys (triton_routing.PACKED_KEYS) ------------------------------------
+
+SUBNORMAL_ROW = 6   # the interpreter's kernels read its subnormals as zeros (both top-k forms), the twin does not
+
+
+def crafted_bf16_rows(N: int) -> torch.Tensor:
+    """bfloat16 rows that test a top-k's order: ties, -0 beside +0, both infinities, NaN, subnormals, all-NaN
+    and all -inf rows, and values one bfloat16 ulp apart."""
+    tiny = torch.finfo(torch.bfloat16).smallest_normal
+    rows = torch.zeros(12, N)
+    rows[0, ::2] = 1.0                                          # ties everywhere
+    rows[1] = -0.0
+    rows[1, 1::3] = 0.0                                         # -0 and +0 are equal: the lowest index first
+    rows[2] = float("-inf")
+    rows[2, N // 2] = float("inf")
+    rows[2, -1] = float("inf")
+    rows[3] = float("nan")
+    rows[4] = float("-inf")
+    rows[5, ::3] = float("nan")
+    rows[5, 1::3] = float("-inf")
+    rows[6] = tiny / 4                                          # subnormal, beside zeros and a negative subnormal
+    rows[6, ::4] = 0.0
+    rows[6, 1::5] = -tiny / 4
+    rows[7] = torch.arange(N, dtype=torch.float32) % 3 - 1.0
+    one = torch.tensor(1.0, dtype=torch.bfloat16)
+    rows[8] = 1.0
+    rows[8, 1::2] = torch.nextafter(one, torch.tensor(2.0, dtype=torch.bfloat16)).float()   # one ulp up
+    rows[9] = -1.0
+    rows[9, ::3] = torch.nextafter(-one, torch.tensor(0.0, dtype=torch.bfloat16)).float()   # one ulp toward 0
+    rows[10] = -torch.arange(N, dtype=torch.float32) * 1e30                  # huge negatives
+    rows[11] = torch.arange(N, dtype=torch.float32).flip(0) * 1e-3
+    return rows.to(torch.bfloat16)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN weights included)."""
+    if a.dtype.is_floating_point:
+        return torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+    return torch.equal(a, b)
+
+
+def with_packed(packed: bool, device: str, logits: torch.Tensor, k: int, shared: torch.Tensor | None):
+    from tensorfold.kernels.moe import triton_routing
+    before = triton_routing.PACKED_KEYS
+    triton_routing.PACKED_KEYS = packed
+    try:
+        return kernel_call(device, logits, k, shared)
+    finally:
+        triton_routing.PACKED_KEYS = before
+
+
+@pytest.mark.triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered")     # the all-NaN row's weights, by design
+@pytest.mark.parametrize("N, k", [(8, 3), (5, 5), (100, 7), (256, 8)])
+def test_packed_keys_choose_what_the_two_reductions_choose(N, k, device):
+    """bfloat16 logits: the packed top-k gives the same ids and the same weight bits as the max-then-min rounds
+    and the twin's ids, on crafted rows and random ones (some with many ties: few distinct values)."""
+    from tensorfold.kernels.moe import triton_routing
+    assert triton_routing.route_config(N, k, torch.bfloat16)["PACKED"] is triton_routing.PACKED_KEYS
+    assert not triton_routing.route_config(N, k, torch.float32)["PACKED"]
+    assert not triton_routing.route_config(N, k, torch.float16)["PACKED"]
+    coarse = (logits_of(24, N, torch.float32, seed=N) * 2).round() / 2
+    logits = torch.cat([crafted_bf16_rows(N), logits_of(24, N, torch.bfloat16, seed=k), coarse.to(torch.bfloat16)])
+    shared = logits_of(len(logits), 1, torch.bfloat16, seed=7)
+    packed = with_packed(True, device, logits, k, shared)
+    plain = with_packed(False, device, logits, k, shared)
+    assert all(same_bits(a, b) for a, b in zip(packed, plain, strict=True))
+    twin = routing.naive(logits, k, shared)[1]
+    rows = torch.arange(len(logits)) != SUBNORMAL_ROW
+    assert torch.equal(packed[1][rows], twin[rows])
+
+
 # ---- the GPU at Qwen3.5-35B-A3B's router (N 256, k 8, plus the shared expert) ---------------------------------
 
 @pytest.mark.gpu
@@ -249,6 +322,16 @@ def test_gpu_routing_at_the_35b_shape(dtype):
         rows = untied(logits[:, :N], k)
         assert torch.equal(chosen[rows, :k], expected[rows])
         assert_weights_close(weights[rows, :k], expected_weights[rows], rtol)
+        if dtype == torch.bfloat16:                  # the packed top-k against the max-then-min rounds
+            plain = with_packed(False, "cuda", logits[:, :N], k, logits[:, N:])
+            assert same_bits(weights.cpu(), plain[0]) and torch.equal(chosen.cpu(), plain[1])
+    crafted = crafted_bf16_rows(N).cuda()
+    if dtype == torch.bfloat16:
+        packed = with_packed(True, "cuda", crafted, k, None)
+        plain = with_packed(False, "cuda", crafted, k, None)
+        assert all(same_bits(a, b) for a, b in zip(packed, plain, strict=True))
+        rows = torch.arange(len(crafted)) != SUBNORMAL_ROW
+        assert torch.equal(packed[1][rows], routing.naive(crafted.cpu(), k)[1][rows])
     static = logits_of(8, N + 1, dtype, seed=20).cuda()
     triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])                 # compile first
     call = lambda: triton_routing.softmax_top_k(static[:, :N], k, static[:, N:])  # noqa: E731

@@ -28,7 +28,7 @@ from tensorfold.kernels.moe.triton_routing import pairs, route_config, route_row
 @triton.jit(do_not_specialize=["N"])
 def _route_parts_kernel(parts_ptr, weight_ptr, chosen_ptr, N, s_ps, s_pm, s_wt, s_ct, K: tl.constexpr,
                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PACKED: tl.constexpr, PDL: tl.constexpr = False):
     """Row t's pairs from its summed logits (and its shared gate logit, column N, with SHARED)."""
     pdl.ordered(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -38,7 +38,7 @@ def _route_parts_kernel(parts_ptr, weight_ptr, chosen_ptr, N, s_ps, s_pm, s_wt, 
     shared = 0.0
     if SHARED:
         shared = summed(parts_ptr, t * s_pm + N, True, s_ps, SPLITS, ty)
-    route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K)
+    route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K, PACKED)
 
 
 def route_parts(p: torch.Tensor, k: int, shared: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ def route_parts(p: torch.Tensor, k: int, shared: bool, dtype: torch.dtype) -> tu
     weights, chosen = pairs(M, width, dtype, p.device)
     if M:
         _route_parts_kernel[(M,)](p, weights, chosen, N, p.stride(0), p.stride(1), weights.stride(0),
-                                  chosen.stride(0), SPLITS=splits, SHARED=shared, **route_config(N, k),
+                                  chosen.stride(0), SPLITS=splits, SHARED=shared, **route_config(N, k, dtype),
                                   **pdl.options(p))
     return weights, chosen
 

@@ -1,9 +1,11 @@
 """Triton routing kernels, one program per row (routing.py says what they compute).
 
     softmax_top_k (row t)       the row's N logits in one block, float32: max, e = exp(logit - max), p = e / Σe;
-                                k rounds of (largest remaining logit, lowest index among equals) mark the chosen;
-                                w = p / Σ_chosen p, rounded to the output dtype; then k rounds of (lowest chosen
-                                index) write the pairs in ascending id order; with SHARED, (N, round(sigmoid(s)))
+                                k rounds of (largest remaining logit, lowest index among equals) mark the chosen
+                                (bfloat16 logits, PACKED: one max a round over int32 keys, the value's order in
+                                the high half and the inverted index in the low, instead of a max and a min);
+                                w = p / Σ_chosen p, rounded to the output dtype; a prefix count over the chosen
+                                writes the pairs in ascending id order; with SHARED, (N, round(sigmoid(s)))
     sigmoid_bias_top_k (row t)  the row's logits as a [groups, group size] block, float32: s = sigmoid(logit),
                                 b = s + bias; with GROUPED, each group's best and second best b (the best's lowest
                                 index taken out) summed, and topk_group rounds of (largest group sum, lowest group)
@@ -26,21 +28,46 @@ from tensorfold.kernels import pdl
 from tensorfold.kernels.triton_ieee import INTERPRETED, div, sigmoid
 from tensorfold.kernels.triton_rounding import round_to
 
+PACKED_KEYS = True   # bfloat16 logits: the top-k on packed int32 keys (bench/decode_sweep.py times either)
+NO_KEY = tl.constexpr(-2147483648)  # int32's least: a packed key never chosen (padding, or taken)
+
+
+@triton.jit
+def _top_k_packed(key, cols, valid, K: tl.constexpr):
+    """The k largest of `key` (float32 holding bfloat16 values, NaN already -inf), the lowest index first among
+    equals: each column's key packed into one int32, so a round is one max. The high half is the value's order
+    (the float bits made signed-ordered, -0 taken as +0; a bfloat16's low 16 float32 bits are zero), the low
+    half 65535 - column, so of equal values the lowest column is the largest key; keys are distinct."""
+    bits = tl.where(key == 0.0, 0.0, key).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    packed = tl.where(valid, (ordered & -65536) | (65535 - cols), NO_KEY)
+    taken = cols < 0
+    for _ in tl.static_range(K):
+        top = tl.max(packed, 0)
+        hit = (packed == top) & (top != NO_KEY)
+        taken = taken | hit
+        packed = tl.where(hit, NO_KEY, packed)
+    return taken
+
 
 @triton.jit
 def route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K: tl.constexpr, BLOCK_N: tl.constexpr,
-              SHARED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Row t's pairs from its float32 logits [BLOCK_N] (and its shared gate logit with SHARED), written ordered."""
+              SHARED: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """Row t's pairs from its float32 logits [BLOCK_N] (and its shared gate logit with SHARED), written ordered;
+    PACKED: the logits are bfloat16 values (route_config)."""
     cols = tl.arange(0, BLOCK_N)
     valid = cols < N
     key = tl.where(valid & (logit == logit), logit, float("-inf"))         # padding and NaN: -inf
     e = tl.exp(key - tl.max(key, 0))
     p = e / tl.sum(e, 0)
-    taken = cols < 0
-    for _ in tl.static_range(K):
-        best = tl.max(tl.where(taken, float("-inf"), key), 0)
-        first = tl.min(tl.where(valid & (taken == 0) & (key == best), cols, BLOCK_N), 0)
-        taken = taken | (cols == first)
+    if PACKED:
+        taken = _top_k_packed(key, cols, valid, K)
+    else:
+        taken = cols < 0
+        for _ in tl.static_range(K):
+            best = tl.max(tl.where(taken, float("-inf"), key), 0)
+            first = tl.min(tl.where(valid & (taken == 0) & (key == best), cols, BLOCK_N), 0)
+            taken = taken | (cols == first)
     ty = weight_ptr.dtype.element_ty
     w = round_to(p / tl.sum(tl.where(taken, p, 0.0), 0), ty)
     # the chosen in ascending id order: a chosen column's place is the count of chosen columns up to it (one scan,
@@ -60,7 +87,7 @@ def route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K: tl.con
 @triton.jit(do_not_specialize=["N"])
 def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, s_wt, s_ct,
                   K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PACKED: tl.constexpr, PDL: tl.constexpr = False):
     """weights[t], chosen[t] from logits[t] (and the shared gate logit shared[t] with SHARED)."""
     pdl.ordered(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -69,7 +96,7 @@ def _route_kernel(logit_ptr, shared_ptr, weight_ptr, chosen_ptr, N, s_lt, s_st, 
     shared = 0.0
     if SHARED:
         shared = tl.load(shared_ptr + t * s_st).to(tl.float32)
-    route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K)
+    route_row(logit, shared, weight_ptr, chosen_ptr, t, N, s_wt, s_ct, K, BLOCK_N, SHARED, BLOCK_K, PACKED)
 
 
 def pairs(T: int, width: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +105,13 @@ def pairs(T: int, width: int, dtype: torch.dtype, device: torch.device) -> tuple
             torch.empty((T, width), dtype=torch.long, device=device))
 
 
-def route_config(N: int, k: int) -> dict[str, int]:
-    """route_row's block and warps for N experts, k chosen: every kernel that runs it launches with these, so their
-    reductions, and the pairs' bits, are the same."""
+def route_config(N: int, k: int, dtype: torch.dtype) -> dict[str, int]:
+    """route_row's block, warps and top-k form for N experts, k chosen, logits of dtype: every kernel that runs it
+    launches with these, so their reductions, and the pairs' bits, are the same."""
     block = triton.next_power_of_2(N)
-    return {"K": k, "BLOCK_N": block, "BLOCK_K": triton.next_power_of_2(k), "num_warps": 1 if block <= 1024 else 4}
+    packed = PACKED_KEYS and dtype == torch.bfloat16 and block <= 65536
+    return {"K": k, "BLOCK_N": block, "BLOCK_K": triton.next_power_of_2(k), "PACKED": packed,
+            "num_warps": 1 if block <= 1024 else 4}
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = None
@@ -94,7 +123,7 @@ def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = No
     if T:
         gate = logits if shared is None else shared
         _route_kernel[(T,)](logits, gate, weights, chosen, N, logits.stride(0), gate.stride(0), weights.stride(0),
-                            chosen.stride(0), SHARED=shared is not None, **route_config(N, k),
+                            chosen.stride(0), SHARED=shared is not None, **route_config(N, k, logits.dtype),
                             **pdl.options(logits))
     return weights, chosen
 
