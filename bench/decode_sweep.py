@@ -6,7 +6,8 @@ captured and restores them after.
 Prints one JSON line per variant (and appends them to --out/sweep.jsonl): its step times (ms) in every round, the
 best and the median, and the best as a fraction of the HBM limit at batch 1. With --combine MARGIN, the variants
 whose median beats the base's by more than MARGIN are then set together (`combined`; of two that set one constant,
-the faster whole) and timed against the base (`base_again`) for as many rounds again.
+the faster whole) and timed against the base (`base_again`) for as many rounds again. A SIGTERM (a `timeout`
+around the call) ends the timing where it is and still prints what was measured, marked `cut_short`.
 
     python bench/decode_sweep.py --shape qwen3_5-moe-35b --rounds 3 --out $OUT \\
         --variant stages4=tensorfold.kernels.linear_norm.triton_linear_norm:NUM_STAGES=4 \\
@@ -17,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
+import signal
 import statistics
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -90,6 +94,40 @@ def timed_rounds(variants: list[tuple[str, tuple[Setting, ...]]], times: dict[st
                     setattr(module, attribute, value)
 
 
+class CutShort(Exception):
+    """A SIGTERM arrived while timing."""
+
+
+@contextlib.contextmanager
+def term_raises() -> Iterator[None]:
+    """SIGTERM raises CutShort inside the block (so what was timed is still written), the old handler after."""
+    def raise_cut_short(signum, frame):
+        raise CutShort()
+    before = signal.signal(signal.SIGTERM, raise_cut_short)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def sweep(variants: list[tuple[str, tuple[Setting, ...]]], rounds: int, combine: float | None,
+          measure: Callable[[], float]) -> tuple[list[tuple[str, tuple[Setting, ...]]], dict[str, list[float]], bool]:
+    """The rounds, then (with `combine`) the winners together against the base again: (every variant timed or
+    meant to be, their times, whether a SIGTERM cut it short)."""
+    variants = list(variants)
+    times: dict[str, list[float]] = {}
+    try:
+        with term_raises():
+            timed_rounds(variants, times, rounds, measure)
+            if combine is not None:
+                final = [("base_again", ()), ("combined", combined(variants, times, combine))]
+                variants += final
+                timed_rounds(final, times, rounds, measure)
+    except CutShort:
+        return variants, times, True
+    return variants, times, False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="decode variants timed in one process")
     parser.add_argument("--shape", default="qwen3_5-moe-35b", choices=sorted(gpu.SHAPES))
@@ -113,24 +151,20 @@ def main() -> None:
     ours, layout = gpu.ours_in_place_of(hf, config, args.shape, torch.bfloat16)
     del hf
     moved = read + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
-    times: dict[str, list[float]] = {}
 
     def measure() -> float:
         return gpu.our_decode(ours, layout, args.batch, args.prompt, args.steps, args.prompt, graphs=True)
 
     with torch.inference_mode():
-        timed_rounds(variants, times, args.rounds, measure)
-        if args.combine is not None:
-            together = combined(variants, times, args.combine)
-            final = [("base_again", ()), ("combined", together)]
-            timed_rounds(final, times, args.rounds, measure)
-            variants += final
+        variants, times, cut_short = sweep(variants, args.rounds, args.combine, measure)
     for name, settings in variants:
+        if not times.get(name):
+            continue
         best = min(times[name])
         record = {"bench": "decode_variant", "shape": args.shape, "batch": args.batch, "variant": name,
                   "settings": [f"{s.module}:{s.attribute}={s.value!r}" for s in settings],
                   "step_ms": [round(t * 1e3, 3) for t in times[name]], "best_ms": round(best * 1e3, 3),
-                  "median_ms": round(statistics.median(times[name]) * 1e3, 3)}
+                  "median_ms": round(statistics.median(times[name]) * 1e3, 3), "cut_short": cut_short}
         if args.batch == 1:
             record["hbm_limit_fraction"] = round(moved / bandwidth / best, 4)
         gpu.emit(args.out, "sweep.jsonl", **record)

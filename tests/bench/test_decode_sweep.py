@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -52,3 +54,34 @@ def test_the_combined_variant_takes_the_winners_fastest_first():
     together = decode_sweep.combined(variants, times, 0.01)
     assert [(s.attribute, s.value) for s in together] == [("X", 3), ("Y", 2)]
     assert decode_sweep.combined(variants, times, 0.2) == ()
+
+
+def test_a_sigterm_ends_the_sweep_with_what_was_timed():
+    """A real SIGTERM to this process on the fifth timing: four timings kept, the sweep marked cut short, the
+    handler before it back in place."""
+    variants = [("base", ())] + [decode_sweep.parse_variant("a=tensorfold.kernels.linear_norm:ONE_SLICE_FROM=7")]
+    calls = []
+
+    def measure() -> float:
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 0.001 * len(calls)
+
+    before = signal.getsignal(signal.SIGTERM)
+    timed, times, cut_short = decode_sweep.sweep(variants, 3, 0.0, measure)
+    assert cut_short and times == {"base": [0.001, 0.003], "a": [0.002, 0.004]}
+    assert [name for name, _ in timed] == ["base", "a"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_combined_rounds_follow_the_variants_rounds():
+    """No signal: every round of every variant, then base_again and combined for as many rounds (a is slower than
+    the base, so combined sets nothing)."""
+    variants = [("base", ())] + [decode_sweep.parse_variant("a=tensorfold.kernels.linear_norm:ONE_SLICE_FROM=7")]
+    clock = iter(range(1, 100))
+    timed, times, cut_short = decode_sweep.sweep(variants, 2, 0.0, lambda: float(next(clock)))
+    assert not cut_short
+    assert [name for name, _ in timed] == ["base", "a", "base_again", "combined"]
+    assert times == {"base": [1.0, 3.0], "a": [2.0, 4.0], "base_again": [5.0, 7.0], "combined": [6.0, 8.0]}
+    assert timed[3][1] == ()
