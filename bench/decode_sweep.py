@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     gpu.DEVICE = args.device
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
     variants = [("base", ())] + [parse_variant(v) for v in args.variant]
     torch.manual_seed(0)
     bandwidth, _ = gpu.hardware(args.out)
