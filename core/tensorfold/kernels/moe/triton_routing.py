@@ -105,7 +105,7 @@ def pairs(T: int, width: int, dtype: torch.dtype, device: torch.device) -> tuple
             torch.empty((T, width), dtype=torch.long, device=device))
 
 
-def route_config(N: int, k: int, dtype: torch.dtype) -> dict[str, int]:
+def route_config(N: int, k: int, dtype: torch.dtype) -> dict[str, int | bool]:
     """route_row's block, warps and top-k form for N experts, k chosen, logits of dtype: every kernel that runs it
     launches with these, so their reductions, and the pairs' bits, are the same."""
     block = triton.next_power_of_2(N)
