@@ -31,6 +31,7 @@ above 0). The two replies' greedy token ids (--tokens, ignore_eos) must be equal
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -56,6 +57,7 @@ TIERS = (*TIER_FLAGS, "disk")
 
 
 def emit(out: Path | None, **record: object) -> None:
+    """One line on stdout and in out/tp_resume.jsonl."""
     gpu.emit(out, jsonl="tp_resume.jsonl", **record)
 
 
@@ -72,6 +74,7 @@ def first_turn(index: int, history: int, vocab: int) -> list[dict[str, str]]:
 
 
 def body(messages: list[dict[str, str]], tokens: int, salt: str) -> dict[str, Any]:
+    """A greedy chat request of `tokens` tokens whose kept states live under `salt`."""
     return {"messages": messages, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "cache_salt": salt}
 
 
@@ -129,6 +132,7 @@ def first_turns(server: Server, args: argparse.Namespace, tier: str, vocab: int
 
 
 def kept_line(out: Path | None, server: Server, tier: str, **more: object) -> None:
+    """The tier's kept states and bytes as rank 0 counts them (its part), with `more`."""
     numbers = server.tiers().get(tier, {})
     emit(out, bench="tp_resume_kept", tier=tier, rank0_states=numbers.get("states"),
          rank0_bytes=numbers.get("bytes"), **more)
@@ -205,7 +209,7 @@ def main() -> None:
         else:
             emit(args.out, bench="tp_resume_checkpoint", shape=args.shape,
                  **serving.write_checkpoint(args.shape, checkpoint, serving.DTYPES[args.dtype]))
-        vocab = serving.json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
         results = {}
         for tier in args.tiers:
             began = time.perf_counter()
