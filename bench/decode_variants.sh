@@ -32,9 +32,9 @@ timeout -k 10 "${SWEEP_SECONDS:-330}" python3 bench/decode_sweep.py --shape qwen
   --variant input_gemv_stages4=$Q:INPUT_GEMV=True,$L:NUM_STAGES=4 --variant gemv_stages4=$L:NUM_STAGES=4 \
   --variant gemv_bn16=$L:BLOCK_N=16 --variant gemv_bn64=$L:BLOCK_N=64 \
   --variant gemv_w8=$L:NUM_WARPS=8 \
-  --variant moe_bf16=$M:DECODE_BLOCK_F=16 --variant moe_be64=$M:DECODE_BLOCK_E=64 \
-  --variant moe_stepE256=$M:DECODE_STEP_E=256 --variant moe_stepF128=$M:DECODE_STEP_F=128 \
-  --variant moe_be128=$M:DECODE_BLOCK_E=128 --variant moe_w8=$M:DECODE_WARPS=8 \
+  --variant moe_bf16=$M:PAIR_BLOCK_F=16 --variant moe_be64=$M:PAIR_BLOCK_E=64 \
+  --variant moe_stepE256=$M:PAIR_STEP_E=256 --variant moe_stepF128=$M:PAIR_STEP_F=128 \
+  --variant moe_be128=$M:PAIR_BLOCK_E=128 --variant moe_w8=$M:PAIR_WARPS=8 \
   --variant gdn_bv64=$G:BLOCK_V=64 --variant gdn_bv16=$G:BLOCK_V=16 --variant route_max_min=$R:PACKED_KEYS=False \
   > "$OUT/sweep.log" 2>&1; phase sweep $?
 grep "^# " "$OUT/sweep.log" | tr "\n" ";"; echo

@@ -189,6 +189,42 @@ def test_triton_is_batch_invariant_and_deterministic(dtype, device):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lone_pairs_take_their_own_tiles_and_the_grouped_rows_bits(dtype, device, monkeypatch):
+    """A decode call of lone pairs (at most PAIR_BLOCKS_UP_TO) under PAIR_* F and E tiles unlike the grouped decode
+    tiles: a row's bits alone, among 8 (lone pairs) and inside 40 rows (160 pairs, grouped) are the same. (The
+    interpreter's dot sums a K step at once, so the K steps stay the decode tiles' here; test_moe_gpu.py varies
+    those too on the device.)"""
+    from tensorfold.kernels.moe import triton_moe
+    monkeypatch.setattr(triton_moe, "PAIR_BLOCK_F", 16)
+    monkeypatch.setattr(triton_moe, "PAIR_BLOCK_E", 64)
+    monkeypatch.setattr(triton_moe, "PAIR_WARPS", 2)
+    args = case(40, 4, 8, dtype, seed=13, hidden=128, inner=64)
+    whole = triton_call(device, *args)
+    for t in (0, 21):
+        alone = triton_call(device, *(a[t:t + 1] for a in args[:3]), *args[3:])
+        assert torch.equal(alone[0], whole[t]), t
+    assert torch.equal(triton_call(device, *(a[30:38] for a in args[:3]), *args[3:]), whole[30:38])
+
+
+def test_the_lone_pair_tiles_are_the_decode_tiles_unless_set_apart():
+    """As shipped, PAIR_* equal DECODE_* (so a lone pair's launch is the grouped decode's); float32 and the
+    grouped-only prefill kind never take them."""
+    from tensorfold.kernels.moe import triton_moe
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        decode = triton_moe.config_for(2048, 512, dtype, "decode")
+        assert triton_moe.pair_config(decode, 2048, 512, dtype) == decode
+    assert triton_moe.lone_pairs(72, triton_moe.config_for(2048, 512, torch.bfloat16, "decode"))
+    assert not triton_moe.lone_pairs(73, triton_moe.config_for(2048, 512, torch.bfloat16, "decode"))
+    assert not triton_moe.lone_pairs(8, triton_moe.config_for(2048, 512, torch.bfloat16, "prefill"))
+    apart = triton_moe.pair_config(triton_moe.config_for(2048, 512, torch.bfloat16), 2048, 512, torch.bfloat16)
+    assert (apart.block_f, apart.block_k_e, apart.block_e, apart.block_k_f) == (
+        triton_moe.PAIR_BLOCK_F, triton_moe.PAIR_STEP_E, triton_moe.PAIR_BLOCK_E, triton_moe.PAIR_STEP_F)
+    fp32 = triton_moe.config_for(2048, 512, torch.float32)
+    assert triton_moe.pair_config(fp32, 2048, 512, torch.float32) is fp32
+
+
+@pytest.mark.triton
 def test_triton_out_of_range_ids_contribute_nothing(device):
     x, chosen, weights, gate_up, down = case(4, 2, 4, torch.float32, seed=9)
     chosen[0, 1], chosen[2, 0] = 4, -1

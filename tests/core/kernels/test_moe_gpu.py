@@ -69,6 +69,27 @@ def test_gpu_batch_invariant_and_deterministic(weights):
     assert torch.equal(routed_experts(x[3:11], chosen[3:11], w[3:11], gate_up, down), whole[3:11])
 
 
+@pytest.mark.parametrize("tiles", [{"PAIR_BLOCK_F": 16}, {"PAIR_BLOCK_E": 128, "PAIR_STEP_F": 128},
+                                   {"PAIR_STEP_E": 256, "PAIR_WARPS": 8}, {"PAIR_BLOCK_E": 64, "PAIR_STAGES": 4}],
+                         ids=["f16", "e128-kf128", "ke256-w8", "e64-s4"])
+def test_gpu_lone_pairs_under_other_tiles_keep_the_grouped_bits(weights, tiles, monkeypatch):
+    """bf16 decode calls of lone pairs (1 and 8 rows: 8 and 64 pairs) take the PAIR_* tiles; set apart
+    from the grouped decode tiles (K steps, warps and stages too) a row's bits must stay those of the same row
+    inside 64 rows (512 pairs, grouped): what lets bench/decode_sweep.py tune the lone pairs' tiles freely."""
+    from tensorfold.kernels.moe import triton_moe
+    dtype, gate_up, down = weights
+    if dtype == torch.float32:
+        pytest.skip("float32 keeps the decode tiles")
+    x, chosen, w = rows(64, dtype, seed=7)
+    whole = routed_experts(x, chosen, w, gate_up, down)
+    for name, value in tiles.items():
+        monkeypatch.setattr(triton_moe, name, value)
+    for t in (0, 45):
+        alone = routed_experts(x[t:t + 1], chosen[t:t + 1], w[t:t + 1], gate_up, down)
+        assert torch.equal(alone[0], whole[t]), t
+    assert torch.equal(routed_experts(x[8:16], chosen[8:16], w[8:16], gate_up, down), whole[8:16])
+
+
 def test_gpu_eager_call_never_syncs(weights):
     dtype, gate_up, down = weights
     x, chosen, w = rows(8, dtype, seed=6)

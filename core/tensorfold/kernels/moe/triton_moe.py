@@ -25,7 +25,12 @@ result is deterministic. Expert ids outside [0, N) contribute nothing.
 
 Batch invariance: the config (block sizes, K-loop order, warps, dot precision) is a function of (E, F, dtype) and
 the call's kind alone, never of T, and a row's products read only its own x row and its experts' weights, so a
-row's output bits are the same alone or inside any batch of its kind. Two kinds: "decode" (the default: small
+row's output bits are the same alone or inside any batch of its kind. One exception, by design: a 16-bit decode call
+of lone pairs (a block each) takes the PAIR_* tiles, a grouped one the DECODE_* tiles. The claim that lets them
+differ: a tile changes neither the K order nor the dot's 16-wide fp32 accumulation steps on the device, so a row's
+bits are the same under both (test_moe_gpu.py holds a row alone and in lone pairs against the same row grouped,
+with PAIR_* set apart from DECODE_*; the interpreter's row-by-row dot sums a whole K step at once, so there only the
+F and E tiles may differ). As shipped the two are equal. Two kinds: "decode" (the default: small
 tiles, for a step's one row per stream) and "prefill" (a prefill chunk's rows: 128-row expert blocks and larger
 tiles, for thousands of rows sharing each expert); a row's bits may differ between the kinds. Float32 dots run in
 IEEE float32 (no TF32); bfloat16 dots accumulate in float32. Each intermediate is rounded to x's dtype where the
@@ -58,6 +63,15 @@ DECODE_BLOCK_E = 32     # decode down: output features per program
 DECODE_STEP_F = 64      # decode down, 16-bit: the reduction step over F
 DECODE_WARPS = 4
 DECODE_STAGES = 3       # the decode K loops' software pipelining depth
+# A 16-bit decode call of lone pairs (at most PAIR_BLOCKS_UP_TO: a block each, batch 1 to 8 at the 35B-A3B) takes
+# these tiles instead, so they can suit one row per expert; they ship equal to the DECODE_* tiles until the device
+# test of the claim below (test_moe_gpu.py, lone pairs under other tiles) has passed.
+PAIR_BLOCK_F = 32
+PAIR_STEP_E = 128
+PAIR_BLOCK_E = 32
+PAIR_STEP_F = 64
+PAIR_WARPS = 4
+PAIR_STAGES = 3
 KINDS = ("decode", "prefill")
 
 
@@ -99,6 +113,20 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
     if kind == "prefill":   # float32 (the checking mode): the decode tiles, grouped in 128-row blocks
         return attrs.evolve(decode, block_m=PREFILL_BLOCK_M, grouped_only=True)
     return decode
+
+
+def lone_pairs(P: int, cfg: Config) -> bool:
+    """Whether a call of P pairs gives each pair a block of its own (align's short form)."""
+    return P <= PAIR_BLOCKS_UP_TO and not cfg.grouped_only
+
+
+def pair_config(cfg: Config, E: int, F: int, dtype: torch.dtype) -> Config:
+    """The tiles of a 16-bit decode call of lone pairs (PAIR_*); float32 keeps the decode tiles."""
+    if dtype == torch.float32:
+        return cfg
+    return attrs.evolve(cfg, block_f=tile(F, PAIR_BLOCK_F), block_k_e=tile(E, PAIR_STEP_E),
+                        block_e=tile(E, PAIR_BLOCK_E), block_k_f=tile(F, PAIR_STEP_F), num_warps=PAIR_WARPS,
+                        num_stages=PAIR_STAGES)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -284,6 +312,8 @@ def contributions(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, 
     cfg = config or config_for(E, F, x.dtype, kind)
     plan = align(chosen, weights, N, cfg.block_m, cfg.grouped_only, ordered)
     P, blocks = T * k, plan.block_expert.shape[0]
+    if config is None and lone_pairs(P, cfg):
+        cfg = pair_config(cfg, E, F, x.dtype)
     contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
     if F == 0:
         return contrib.zero_(), plan
