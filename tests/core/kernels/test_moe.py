@@ -214,9 +214,9 @@ def test_the_lone_pair_tiles_are_the_decode_tiles_unless_set_apart():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         decode = triton_moe.config_for(2048, 512, dtype, "decode")
         assert triton_moe.pair_config(decode, 2048, 512, dtype) == decode
-    assert triton_moe.lone_pairs(72, triton_moe.config_for(2048, 512, torch.bfloat16, "decode"))
-    assert not triton_moe.lone_pairs(73, triton_moe.config_for(2048, 512, torch.bfloat16, "decode"))
-    assert not triton_moe.lone_pairs(8, triton_moe.config_for(2048, 512, torch.bfloat16, "prefill"))
+    assert triton_moe.lone_pairs(72, triton_moe.config_for(2048, 512, torch.bfloat16, "decode").grouped_only)
+    assert not triton_moe.lone_pairs(73, triton_moe.config_for(2048, 512, torch.bfloat16, "decode").grouped_only)
+    assert not triton_moe.lone_pairs(8, triton_moe.config_for(2048, 512, torch.bfloat16, "prefill").grouped_only)
     apart = triton_moe.pair_config(triton_moe.config_for(2048, 512, torch.bfloat16), 2048, 512, torch.bfloat16)
     assert (apart.block_f, apart.block_k_e, apart.block_e, apart.block_k_f) == (
         triton_moe.PAIR_BLOCK_F, triton_moe.PAIR_STEP_E, triton_moe.PAIR_BLOCK_E, triton_moe.PAIR_STEP_F)

@@ -115,9 +115,9 @@ def config_for(E: int, F: int, dtype: torch.dtype, kind: str = "decode") -> Conf
     return decode
 
 
-def lone_pairs(P: int, cfg: Config) -> bool:
+def lone_pairs(P: int, grouped_only: bool) -> bool:
     """Whether a call of P pairs gives each pair a block of its own (align's short form)."""
-    return P <= PAIR_BLOCKS_UP_TO and not cfg.grouped_only
+    return P <= PAIR_BLOCKS_UP_TO and not grouped_only
 
 
 def pair_config(cfg: Config, E: int, F: int, dtype: torch.dtype) -> Config:
@@ -267,7 +267,7 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
     ordered: each row's ids are already ascending and in [0, N) (routing.softmax_top_k's), taken as they are."""
     T, k = chosen.shape
     P, device = T * k, chosen.device
-    if chosen.is_cuda and (grouped_only or P > PAIR_BLOCKS_UP_TO):
+    if chosen.is_cuda and not lone_pairs(P, grouped_only):
         return align_grouped(chosen, weights, N, block_m)                 # the same bits in two launches
     if ordered:
         expert, weight = chosen.reshape(P), weights.reshape(P)
@@ -276,7 +276,7 @@ def align(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int = BL
         weight = weights.gather(1, perm).reshape(P)
         expert = by_expert.reshape(P)
         expert = torch.where((expert >= 0) & (expert < N), expert, N)     # out of range -> group N, dropped
-    if P <= PAIR_BLOCKS_UP_TO and not grouped_only:
+    if lone_pairs(P, grouped_only):
         ids = expert if ordered else expert.to(torch.int32)
         return Alignment(expert=ids, weight=weight, row_pair=_lone_rows(P, block_m, device), block_expert=ids)
     grouped, order = torch.sort(expert, stable=True)                      # pairs grouped by expert
@@ -312,7 +312,7 @@ def contributions(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, 
     cfg = config or config_for(E, F, x.dtype, kind)
     plan = align(chosen, weights, N, cfg.block_m, cfg.grouped_only, ordered)
     P, blocks = T * k, plan.block_expert.shape[0]
-    if config is None and lone_pairs(P, cfg):
+    if config is None and lone_pairs(P, cfg.grouped_only):
         cfg = pair_config(cfg, E, F, x.dtype)
     contrib = torch.empty((P, E), dtype=x.dtype, device=x.device)
     if F == 0:
