@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import gc
 import importlib
 import signal
 import statistics
@@ -155,7 +156,10 @@ def main() -> None:
     moved = read + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
 
     def measure() -> float:
-        return gpu.our_decode(ours, layout, args.batch, args.prompt, args.steps, args.prompt, graphs=True)
+        try:
+            return gpu.our_decode(ours, layout, args.batch, args.prompt, args.steps, args.prompt, graphs=True)
+        finally:
+            gc.collect()        # the timing's graphs, store and runner go before the next capture, cycles or not
 
     with torch.inference_mode():
         variants, times, cut_short = sweep(variants, args.rounds, args.combine, measure)
