@@ -20,7 +20,8 @@ above 0). The two replies' greedy token ids (--tokens, ignore_eos) must be equal
     tp_resume             per tier and chat: equal, the first divergence, prompt and cached tokens, the serving tier,
                           fresh and resumed TTFT (ms)
     tp_resume_kept        per tier: rank 0's kept states and bytes (/memory: its numbers are rank 0's part); disk:
-                          every rank's store bytes on disk, the shutdown's written and dropped states
+                          every rank's kept bytes on disk (as `tensorfold learned ls` counts them), the
+                          shutdown's written and dropped states
     tp_resume_all         every chat's tokens equal on every tier
 
     device (nvidia-h200-x2):  python bench/tp_resume.py --shape qwen3_5-9b --checkpoint /tmp/ckpt-9b --out $OUT
@@ -43,6 +44,7 @@ import gpu  # bench/gpu.py: python puts the script's directory (bench/) first on
 import serving
 from tp_gpu import MULTICAST_OFF
 
+from tensorfold import learned
 from tensorfold.testing.process import serving as served
 from tensorfold.testing.tiny_tokenizer import SPECIALS
 
@@ -86,14 +88,12 @@ def divergence(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
 
 
 def store_bytes(root: Path) -> dict[str, int]:
-    """Every rank's rows store under a --learn-dir, in bytes on disk: rank 0's is the directory less the
-    `rank-<k>/` stores below it."""
+    """Every rank's kept bytes on disk under a --learn-dir, as `tensorfold learned ls` counts them (its identities'
+    files; rank 0's in the directory, rank k's in `rank-<k>/`)."""
     sizes: dict[str, int] = {}
-    for path in root.rglob("*"):
-        if path.is_file():
-            first = path.relative_to(root).parts[0]
-            rank = first if first.startswith("rank-") else "rank-0"
-            sizes[rank] = sizes.get(rank, 0) + path.stat().st_size
+    for identity in learned.identities(root):
+        rank = identity.rank_folder or "rank-0"
+        sizes[rank] = sizes.get(rank, 0) + identity.nbytes
     return dict(sorted(sizes.items()))
 
 

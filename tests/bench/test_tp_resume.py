@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tp_resume import divergence, store_bytes  # bench/ is on sys.path (conftest.py)
+from tp_resume import divergence  # bench/ is on sys.path (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHATS = 2
@@ -49,11 +49,3 @@ def test_divergence_names_the_first_differing_place():
     assert divergence((1, 2, 3), (1, 5, 3)) == 1
     assert divergence((1, 2), (1, 2, 3)) == 2
 
-
-def test_store_bytes_splits_a_learn_dir_by_rank(tmp_path):
-    (tmp_path / "identity" / "states").mkdir(parents=True)
-    (tmp_path / "identity" / "states" / "a.st").write_bytes(b"x" * 10)
-    (tmp_path / "journal").write_bytes(b"y" * 3)
-    (tmp_path / "rank-1" / "identity" / "states").mkdir(parents=True)
-    (tmp_path / "rank-1" / "identity" / "states" / "a.st").write_bytes(b"z" * 7)
-    assert store_bytes(tmp_path) == {"rank-0": 13, "rank-1": 7}

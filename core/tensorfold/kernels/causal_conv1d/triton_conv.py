@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 MAX_PREFILL_K = 4           # the prefill kernel keeps K-1 <= 3 rows of history in registers
@@ -120,16 +121,11 @@ def _update_kernel(x_ptr, w_ptr, b_ptr, tails_ptr, slots_ptr, y_ptr, C,
     tl.store(y_ptr + b.to(tl.int64) * stride_yb + c, y.to(y_ptr.dtype.element_ty), mask=c < C)
 
 
-def _row_major(x: torch.Tensor) -> torch.Tensor:
-    """x with a unit stride on its last dim (a copy only when it has not)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor,
                           bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher: x [T, C], weight [C, K <= MAX_PREFILL_K], tail [C, K-1] (in place), bias [C] | None -> [T, C],
     written into `out` when given (unit stride on C: rows of a wider buffer)."""
-    x, weight = _row_major(x), _row_major(weight)
+    x, weight = row_major(x), row_major(weight)
     T, C = x.shape
     K = weight.shape[1]
     if K > MAX_PREFILL_K:
@@ -148,7 +144,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, tail: torch.Ten
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, slots: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher: x [B, C], weight [C, K], tails [S, C, K-1] (rows at slots, in place), slots [B] -> [B, C]."""
-    x, weight = _row_major(x), _row_major(weight)
+    x, weight = row_major(x), row_major(weight)
     B, C = x.shape
     K = weight.shape[1]
     y = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_V = 32        # value columns per program: DK x 32 float32 = 16 KiB of state at DK = 128
@@ -100,7 +101,7 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = float(scale)
     if not isinstance(slots, torch.Tensor):
         slots = torch.tensor(list(slots), dtype=torch.int64, device=states.device)
-    q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (row_major(t) for t in (q, k, v, g, beta))
     out = torch.empty(B, NV, DV, dtype=v.dtype, device=v.device)
     if B == 0:
         return out

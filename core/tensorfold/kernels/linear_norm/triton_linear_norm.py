@@ -23,6 +23,7 @@ import triton.language as tl
 from tensorfold.kernels import linear_norm, pdl
 from tensorfold.kernels.linear_norm import ROWS_UP_TO, SPLIT_K
 from tensorfold.kernels.rmsnorm.triton_rmsnorm import blocks, normalise_rows
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_N = 32        # output features per program
@@ -115,15 +116,10 @@ def _launch_parts(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, spli
         num_stages=NUM_STAGES, **pdl.options(x))
 
 
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    """t with a unit last stride, as the loads assume (a copy only when it has not)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def parts(x: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= ROWS_UP_TO), weight [N, K] -> float32 partial sums [splits, M, N] (split s over K slice s;
     splits: the shape's, splits_for(N), unless given)."""
-    x, weight = _unit(x), _unit(weight)
+    x, weight = row_major(x), row_major(weight)
     splits = splits_for(weight.shape[0]) if splits is None else splits
     out = torch.empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
     _launch_parts(x, weight, out, splits, round_out=False)
@@ -138,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     splits = splits_for(N)
     if splits == 1:                                   # the parts kernel rounds and stores the projection itself
-        _launch_parts(_unit(x), _unit(weight), out, 1, round_out=True)
+        _launch_parts(row_major(x), row_major(weight), out, 1, round_out=True)
         return out
     p = parts(x, weight, splits)
     _sum_kernel[(M,)](p, out, M, N, p.stride(0), p.stride(1), out.stride(0), SPLITS=splits,

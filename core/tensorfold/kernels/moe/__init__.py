@@ -35,6 +35,7 @@ import torch
 
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.moe.routing import router_top_k, sigmoid_bias_top_k, softmax_top_k
+from tensorfold.kernels.strides import row_major
 
 __all__ = ["ACTIVATIONS", "KINDS", "TILES", "routed_experts", "routed_experts_norm", "router_top_k",
            "sigmoid_bias_top_k", "softmax_top_k"]
@@ -138,7 +139,7 @@ def routed_experts_norm(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Te
     if use_triton(x) and x.shape[1] > 0 and gate_up.shape[1] > 0:
         from tensorfold.kernels.moe import triton_moe, triton_sum_norm
         contrib, plan = triton_moe.contributions(x, chosen, weights, gate_up, down, kind=kind, ordered=ordered)
-        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        residual = row_major(residual)
         return triton_sum_norm.sum_then_norm(contrib, plan.expert, gate_up.shape[0], chosen.shape[1], residual,
                                              norm_weight, eps, zero_centred)
     from tensorfold.kernels.rmsnorm import rms_norm

@@ -51,6 +51,7 @@ import triton.language as tl
 from tensorfold.kernels import pdl
 from tensorfold.kernels.moe.alignment import Alignment, blocks_bound
 from tensorfold.kernels.moe.triton_align import align_grouped
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_M = 16          # decode: rows per expert block; every group is padded to a multiple of it
@@ -124,9 +125,15 @@ def pair_config(cfg: Config, E: int, F: int, dtype: torch.dtype) -> Config:
     """The tiles of a 16-bit decode call of lone pairs (PAIR_*); float32 keeps the decode tiles."""
     if dtype == torch.float32:
         return cfg
-    return attrs.evolve(cfg, block_f=tile(F, PAIR_BLOCK_F), block_k_e=tile(E, PAIR_STEP_E),
-                        block_e=tile(E, PAIR_BLOCK_E), block_k_f=tile(F, PAIR_STEP_F), num_warps=PAIR_WARPS,
-                        num_stages=PAIR_STAGES)
+    return _pair_config(cfg, E, F, (PAIR_BLOCK_F, PAIR_STEP_E, PAIR_BLOCK_E, PAIR_STEP_F, PAIR_WARPS, PAIR_STAGES))
+
+
+@functools.cache
+def _pair_config(cfg: Config, E: int, F: int, tiles: tuple[int, ...]) -> Config:
+    """pair_config's evolve, once per config and tiles (an eager decode step asks for it in every MoE layer)."""
+    block_f, step_e, block_e, step_f, warps, stages = tiles
+    return attrs.evolve(cfg, block_f=tile(F, block_f), block_k_e=tile(E, step_e), block_e=tile(E, block_e),
+                        block_k_f=tile(F, step_f), num_warps=warps, num_stages=stages)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -302,9 +309,7 @@ def contributions(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, 
                   ) -> tuple[torch.Tensor, Alignment]:
     """The gate_up and down launches of `routed_experts`: each pair's output c [T·k, E] (weighted unless
     float32_sum) and the alignment (its `expert` names each pair's expert, N or more where it adds nothing)."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
-    down = down if down.stride(-1) == 1 else down.contiguous()
+    x, gate_up, down = row_major(x), row_major(gate_up), row_major(down)
     T, E = x.shape
     k = chosen.shape[1]
     relu2 = activation == "relu2"

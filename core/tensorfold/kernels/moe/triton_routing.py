@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_ieee import INTERPRETED, div, sigmoid
 from tensorfold.kernels.triton_rounding import round_to
 
@@ -117,7 +118,7 @@ def route_config(N: int, k: int, dtype: torch.dtype) -> dict[str, int | bool]:
 def softmax_top_k(logits: torch.Tensor, k: int, shared: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: logits [T, N] -> (weights [T, k'], chosen [T, k'] long), k' = k + (shared is not None)."""
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    logits = row_major(logits)
     T, N = logits.shape
     weights, chosen = pairs(T, k + (shared is not None), logits.dtype, logits.device)
     if T:
@@ -179,7 +180,7 @@ def sigmoid_bias_top_k(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group
                        norm: bool = True, scale: float = 1.0, shared: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: logits [T, N], bias [N] float32 -> (weights [T, k'] float32, chosen [T, k'] long), k' = k + shared."""
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    logits = row_major(logits)
     T, N = logits.shape
     width = k + int(shared)
     weights = torch.empty((T, width), dtype=torch.float32, device=logits.device)

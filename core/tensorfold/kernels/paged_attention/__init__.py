@@ -19,6 +19,7 @@ import torch
 from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.paged_attention import naive
 from tensorfold.kernels.silu_gate import sigmoid_mul
+from tensorfold.kernels.strides import row_major
 
 __all__ = ["paged_decode", "paged_prefill", "paged_prefill_varlen"]
 
@@ -83,8 +84,7 @@ def paged_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     if use_triton(q):
         from tensorfold.kernels.paged_attention import triton_decode
-        if gate is not None and gate.stride(-1) != 1:
-            gate = gate.contiguous()
+        gate = None if gate is None else row_major(gate)
         return triton_decode.paged_decode(q, k_pages, v_pages, tables, lengths, scale, gate=gate)
     out = naive.paged_decode(q, k_pages, v_pages, tables, lengths, scale)
     return out if gate is None else sigmoid_mul(out.reshape(B, H * Dv), gate).view(B, H, Dv)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 
@@ -109,8 +110,7 @@ def blocks(N: int, D: int) -> tuple[int, int, int, tuple[int]]:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, D] with a unit stride on D (a copy only when needed)."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return row_major(t.reshape(-1, t.shape[-1]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centred: bool,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 
@@ -51,11 +52,6 @@ def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, F, HEAD, stride_x, stride_g, stri
     tl.store(out_ptr + row * stride_o + cols, round_to(x * gate, ty), mask=mask)
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """t with a unit stride on its last dim (a copy only when it has not)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _grid(N: int, F: int) -> tuple[int, tuple[int, int]]:
     """BLOCK_F and the grid: one program per row and 1024 features."""
     block_f = min(1024, triton.next_power_of_2(F))
@@ -64,7 +60,7 @@ def _grid(N: int, F: int) -> tuple[int, tuple[int, int]]:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """Launcher: gate, up [N, F] -> [N, F]."""
-    gate, up = _row_major(gate), _row_major(up)
+    gate, up = row_major(gate), row_major(up)
     N, F = gate.shape
     out = torch.empty((N, F), dtype=gate.dtype, device=gate.device)
     if out.numel():
@@ -77,10 +73,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Launcher: x [N, F], gate [N, F], [N, 1] or [N, H, D] (H·D = F, strided heads) -> [N, F]."""
-    x = _row_major(x)
+    x = row_major(x)
     N, F = x.shape
     broadcast = gate.dim() == 2 and gate.shape[1] == 1 and F != 1
-    gate = gate if broadcast else _row_major(gate)
+    gate = gate if broadcast else row_major(gate)
     heads = gate.dim() == 3
     head = gate.shape[2] if heads else max(F, 1)
     out = torch.empty((N, F), dtype=x.dtype, device=x.device)

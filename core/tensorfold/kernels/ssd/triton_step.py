@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from tensorfold.kernels import pdl
+from tensorfold.kernels.strides import row_major
 from tensorfold.kernels.triton_rounding import round_to
 
 BLOCK_P = 16        # head-dim rows per program: 16 x N float32 = 8 KiB of state at N = 128
@@ -112,7 +113,7 @@ def _launch(x, dt, A, B, C, states, slots, gated) -> torch.Tensor:
     G, N = B.shape[1], B.shape[2]
     if not isinstance(slots, torch.Tensor):
         slots = torch.tensor(list(slots), dtype=torch.int64, device=states.device)
-    x, dt, A, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dt, A, B, C))
+    x, dt, A, B, C = (row_major(t) for t in (x, dt, A, B, C))
     if gated is None:
         dt_bias, D, dt_min, dt_max = dt, A, 0.0, 0.0                               # unused
     else:
