@@ -14,7 +14,7 @@ PHASES=none TOTAL_SECONDS=120 bash bench/issue19_gpu.sh > "$OUT/install.log" 2>&
 export PYTHONPATH=/tmp/site
 SHARDS=$(mktemp)
 cat > "$SHARDS" <<'LIST'
-tests/core/kernels/test_linear_norm.py tests/core/kernels/test_moe_router.py tests/core/kernels/test_paged_attention.py tests/core/kernels/test_moe_routing.py
+tests/core/kernels/test_linear_norm.py tests/core/kernels/test_moe_router.py tests/core/kernels/test_paged_attention.py tests/core/kernels/test_moe_routing.py tests/core/kernels/test_paged_write.py
 tensorfold_qwen/tests/test_qwen_cuda_decode.py
 tensorfold_qwen/tests/test_qwen_cuda_resume.py tensorfold_qwen/tests/test_qwen_cuda_pdl.py
 tests/core/kernels/test_moe_gpu.py
@@ -26,6 +26,7 @@ M=tensorfold.kernels.moe.triton_moe
 G=tensorfold.kernels.gated_delta.triton_recurrent
 Q=tensorfold_qwen.decode
 R=tensorfold.kernels.moe.triton_routing
+W=tensorfold.kernels.paged_write
 timeout -k 10 "${SWEEP_SECONDS:-330}" python3 bench/decode_sweep.py --shape qwen3_5-moe-35b --rounds 3 --steps 128 \
   --combine 0.005 --out "$OUT" \
   --variant input_gemv=$Q:INPUT_GEMV=True --variant gate_apart=$Q:GATE_IN_ATTENTION=False \
@@ -36,6 +37,7 @@ timeout -k 10 "${SWEEP_SECONDS:-330}" python3 bench/decode_sweep.py --shape qwen
   --variant moe_stepE256=$M:PAIR_STEP_E=256 --variant moe_stepF128=$M:PAIR_STEP_F=128 \
   --variant moe_be128=$M:PAIR_BLOCK_E=128 --variant moe_w8=$M:PAIR_WARPS=8 \
   --variant gdn_bv64=$G:BLOCK_V=64 --variant gdn_bv16=$G:BLOCK_V=16 --variant route_max_min=$R:PACKED_KEYS=False \
+  --variant rows_by_torch=$W:ONE_LAUNCH=False \
   > "$OUT/sweep.log" 2>&1; phase sweep $?
 grep "^# " "$OUT/sweep.log" | tr "\n" ";"; echo
 LEFT=$(( ${TOTAL_SECONDS:-560} - (SECONDS - T0) ))

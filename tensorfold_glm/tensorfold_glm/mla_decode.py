@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from tensorfold.kernels.paged_write import row_ids, write_rows
+from tensorfold.kernels.paged_write import decode_rows, row_ids, write_rows
 from tensorfold.kv import KvStore
 from tensorfold.plan import DecodeBatch
 from tensorfold_glm import indexer as dsa
@@ -47,7 +47,7 @@ class Rows:
     def of(cls, batch: DecodeBatch, kv: KvStore, layer: int) -> Rows:
         """The rows of `batch` over the pages of MLA layer `layer`'s latents."""
         page_rows = kv.row_pages(layer, LATENT).shape[1]
-        return cls(batch=batch, latent_rows=row_ids(batch.tables, batch.positions, batch.live, page_rows))
+        return cls(batch=batch, latent_rows=decode_rows(batch.tables, batch.positions, batch.slots, page_rows)[0])
 
 
 @attrs.frozen

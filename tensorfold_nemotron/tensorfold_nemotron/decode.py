@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tensorfold.kernels.causal_conv1d import causal_conv1d_update
 from tensorfold.kernels.paged_attention import paged_decode
-from tensorfold.kernels.paged_write import row_ids, write_rows
+from tensorfold.kernels.paged_write import decode_rows, write_rows
 from tensorfold.kernels.rmsnorm import grouped_gated_rms_norm
 from tensorfold.kernels.rmsnorm import rms_norm as core_rms_norm
 from tensorfold.kernels.ssd import ssd_step_gated
@@ -56,11 +56,9 @@ def decode(model: NemotronModel, batch: DecodeBatch, kv: KvStore) -> torch.Tenso
     """One token per row through every layer; float32 logits [B, V] (rows of padding hold no meaning)."""
     c, w = model.config, model.weights
     first = _first_attention(w)
-    dest = None
-    if first is not None:
-        page_rows = kv.row_pages(first, KEYS).shape[1]
-        dest = row_ids(batch.tables, batch.positions, batch.live, page_rows)            # [B] flat rows, -1 pads
-    lengths = batch.lengths                                                             # [B] int32, 0 pads
+    dest, lengths = None, None
+    if first is not None:                   # [B] flat rows, -1 pads; [B] int32 keys seen, 0 pads
+        dest, lengths = decode_rows(batch.tables, batch.positions, batch.slots, kv.row_pages(first, KEYS).shape[1])
     x = w.embed[batch.tokens]                                                           # [B, E]
     h = fused_norm(x, w.layers[0].norm, c.eps)
     for index, layer in enumerate(w.layers):

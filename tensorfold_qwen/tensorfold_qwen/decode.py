@@ -27,7 +27,7 @@ from tensorfold.kernels.causal_conv1d import causal_conv1d_update
 from tensorfold.kernels.gated_delta import recurrent_gated_delta_step_gated
 from tensorfold.kernels.linear_norm import linear, linear_then_norm, one_launch
 from tensorfold.kernels.paged_attention import paged_decode
-from tensorfold.kernels.paged_write import row_ids, write_rows
+from tensorfold.kernels.paged_write import decode_rows, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
 from tensorfold.kernels.rope import apply_rope
 from tensorfold.kernels.silu_gate import sigmoid_mul, silu_mul
@@ -47,8 +47,8 @@ def decode(model, batch: DecodeBatch, kv: KvStore) -> torch.Tensor:
     """One token per row through every layer; float32 logits [B, V] (rows of padding hold no meaning)."""
     c, w = model.config, model.weights
     page_rows = kv.row_pages(_first_attention(w), KEYS).shape[1]
-    dest = row_ids(batch.tables, batch.positions, batch.live, page_rows)                # [B] flat rows, -1 pads
-    lengths = batch.lengths
+    dest, lengths = decode_rows(batch.tables, batch.positions, batch.slots, page_rows)  # [B] flat rows, -1 pads;
+                                                                                        # [B] keys seen, 0 pads
     x = w.embed[batch.tokens]                                                           # [B, E]
     h = rms_norm(x, w.layers[0].input_norm, c.rms_norm_eps, zero_centred=True)
     for index, layer in enumerate(w.layers):

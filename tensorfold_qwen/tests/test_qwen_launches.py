@@ -1,5 +1,5 @@
-"""How many device ops one GDN layer of the batched step (the GPU path) issues, one MoE feed-forward and one decode
-attention layer on the Triton path, counted on the CPU.
+"""How many device ops one GDN layer of the batched step (the GPU path) issues, one MoE feed-forward, one decode
+attention layer and a whole MoE decode step on the Triton path, counted on the CPU.
 
 The count is a proxy for the GPU's kernel launches, not a measure of them: aten ops that compute (views and bare
 allocations are not counted), each one launch on CUDA, plus one per call of a kernel entry point from
@@ -7,11 +7,12 @@ tensorfold.kernels (one Triton launch on CUDA; the chunked delta rule is several
 not counted (on the CPU they are the naive forms). It pins the step's glue: a change that adds a launch to a layer
 moves a count here. The MoE's count goes one level down: its kernel entry points run their Triton launchers, each
 Triton kernel counted as one launch and run as a stub, so the glue inside the entry points (the experts' alignment)
-is counted too.
+is counted too. The whole step's count stubs every Triton kernel of core's and Qwen's (testing.launches.triton_kernels).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,11 +21,13 @@ from types import ModuleType
 import pytest
 import torch
 
-from tensorfold.plan import StepPlan, StreamStep
+from tensorfold.kernels.paged_write import row_ids
+from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
-from tensorfold.testing.launches import Launches, counting_triton
-from tensorfold_qwen import batched, decode, mlp, plugin
+from tensorfold.testing.launches import Launches, counting_triton, triton_kernels
+from tensorfold_qwen import attention_inputs as fused_inputs
+from tensorfold_qwen import batched, decode, load, mlp, plugin
 from tensorfold_qwen.fused import can_fold, fuse_moe
 from tensorfold_qwen.gdn import GdnWeights
 
@@ -33,7 +36,7 @@ KERNELS: dict[ModuleType, tuple[str, ...]] = {
     batched: ("rms_norm", "gated_rms_norm", "causal_conv1d_prefill", "chunk_gated_delta", "paged_prefill_varlen",
               "row_ids", "write_rows"),
     decode: ("rms_norm", "gated_rms_norm", "causal_conv1d_update", "recurrent_gated_delta_step_gated",
-             "paged_decode", "row_ids", "write_rows", "apply_rope", "silu_mul", "sigmoid_mul"),
+             "paged_decode", "decode_rows", "write_rows", "apply_rope", "silu_mul", "sigmoid_mul"),
     mlp: ("routed_experts",),
 }
 
@@ -222,14 +225,12 @@ def test_a_decode_attention_layer_reads_its_gate_in_place(subject, monkeypatch, 
     """The gate halves stay in the projection's columns (the paged decode's combine, or sigmoid_mul, reads them
     strided): one GEMM (linear_norm's one-launch GEMV where the projection is wide enough), the fused inputs launch,
     the paged decode with the gate (or the gate apart), no copy of the gate."""
-    import tensorfold_qwen.attention_inputs as fused_inputs
-
     model, store = subject.model, subject.store(2, 64, page_rows=16)
     index = decode._first_attention(model.weights)
     h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
     positions = torch.tensor([5, 9])
     tables = store.tables([0, 1])
-    dest = decode.row_ids(tables, positions, torch.tensor([True, True]), 16)
+    dest = row_ids(tables, positions, torch.tensor([True, True]), 16)
     lengths = (positions + 1).to(torch.int32)
     monkeypatch.setattr(decode, "use_triton", lambda tensor: True)
     monkeypatch.setattr(decode, "one_launch", lambda x, weight: wide)       # switched on, and wide enough
@@ -246,3 +247,59 @@ def test_a_decode_attention_layer_reads_its_gate_in_place(subject, monkeypatch, 
     projection = {"kernel:linear": 1} if wide else {"mm": 1}
     gating = {} if gate_in_attention else {"kernel:sigmoid_mul": 1}
     assert mode.ops == Counter({**projection, "kernel:attention_inputs": 1, "kernel:paged_decode": 1, **gating})
+
+
+# ---- a whole decode step of a MoE model on the Triton path -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_subject(tmp_path_factory):
+    """The tiny MoE model (shared expert as wide as the experts, as 35B-A3B's), loaded in the Triton path's layout."""
+    directory = tmp_path_factory.mktemp("qwen-moe-launches")
+    plugin.write_tiny(directory, seed=2, folded=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(load, "use_triton", lambda tensor: True)
+        return kit.load(load_families(["qwen"])["qwen"], directory, dtype=torch.bfloat16)
+
+
+def decode_step_ops(subject, monkeypatch, B: int) -> Counter[str]:
+    """The ops of one decode step of B streams (after a first step: what a CUDA graph captures), every Triton
+    kernel of core's kernels and Qwen's a stub (the routing launches write their twin's pairs)."""
+    import tensorfold.kernels
+    import tensorfold.kernels.gated_delta as gated_delta
+
+    kernels = triton_kernels(tensorfold.kernels, fused_inputs)
+    users = tuple(m for name, m in list(sys.modules.items())
+                  if name.startswith(("tensorfold.kernels", "tensorfold_qwen")) and "use_triton" in vars(m))
+    monkeypatch.setattr(gated_delta, "pick_step", lambda device, fla_available: "triton")
+    effects = {"_route_kernel": route_stand_in, "_route_parts_kernel": route_parts_stand_in,
+               "_parts_kernel": lambda x, weight, parts, *args, **meta: parts.zero_()}
+    store = subject.store(B, 64, page_rows=16)
+    batch = DecodeBatch(tokens=torch.arange(3, 3 + B), positions=torch.arange(5, 5 + B), slots=torch.arange(B),
+                        tables=store.tables(list(range(B))))
+    for _ in range(2):       # the first step makes what later steps keep (the experts' row map)
+        with monkeypatch.context() as mp, counting_triton(mp, kernels, users, effects) as mode:
+            decode.decode(subject.model, batch, store)
+    return mode.ops
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_a_moe_decode_step_is_eleven_launches_a_layer(moe_subject, monkeypatch, B):
+    """Every layer: the mixer's input GEMM and its three launches (GDN: conv, delta step, gated norm; attention:
+    inputs, the decode's splits and combine), the output projection with the residual add and the norm (two), the
+    router (two) and the experts (three, their sum carrying the next norm); around them the step's rows and key
+    counts (one launch), the embedding, the first norm, the head and its float32 cast. The tiny shape's GDN input
+    rows (200 columns) do not vectorise by head, so above one row its gate heads are copied to rows for the gated
+    norm (gated_rms_norm); the real shapes' (multiples of 16 columns) are read in place."""
+    layers = moe_subject.model.weights.layers
+    L = len(layers)
+    gdn = sum(isinstance(layer.mixer, GdnWeights) for layer in layers)
+    assert layers[0].mixer.in_proj.shape[0] % 16
+    ops = decode_step_ops(moe_subject, monkeypatch, B)
+    assert ops == Counter({
+        "clone": gdn if B > 1 else 0,
+        "triton:_rows_kernel": 1, "index": 1, "triton:_rms_norm_kernel": 1, "mm": L + 1, "_to_copy": 1,
+        "triton:_update_kernel": gdn, "triton:_step_kernel": gdn, "triton:_gated_rms_norm_kernel": gdn,
+        "triton:_inputs_kernel": L - gdn, "triton:_split_kernel": L - gdn, "triton:_combine_kernel": L - gdn,
+        "triton:_parts_kernel": 2 * L, "triton:_parts_norm_kernel": L, "triton:_route_parts_kernel": L,
+        "triton:_gate_up_kernel": L, "triton:_down_kernel": L, "triton:_sum_norm_kernel": L})
+    assert ops.total() == 11 * L + 5 + (gdn if B > 1 else 0)

@@ -9,6 +9,8 @@ own ops are not counted. The families' launch tests (test_qwen_launches.py, test
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -18,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-FREE = {"empty", "empty_like", "empty_strided", "new_empty", "_unsafe_view"}   # allocations and metadata only
+# allocations and metadata only
+FREE = {"empty", "empty_like", "empty_strided", "new_empty", "_unsafe_view", "promote_types"}
 
 Effect = Callable[..., None]
 
@@ -77,3 +80,18 @@ def counting_triton(monkeypatch: Any, kernels: Mapping[ModuleType, tuple[str, ..
         monkeypatch.setattr(module, "use_triton", lambda tensor: True)
     with torch.no_grad(), mode:
         yield mode
+
+
+def triton_kernels(*packages: ModuleType) -> dict[ModuleType, tuple[str, ...]]:
+    """Every Triton function (jit, autotuned, heuristics) bound in the modules of `packages` (each a package, walked,
+    or a module), by module: what `counting_triton` stubs to count a whole step's launches."""
+    from triton.runtime.jit import KernelInterface
+
+    modules = []
+    for package in packages:
+        modules.append(package)
+        if hasattr(package, "__path__"):
+            modules += [importlib.import_module(info.name)
+                        for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+    found = {m: tuple(name for name, value in vars(m).items() if isinstance(value, KernelInterface)) for m in modules}
+    return {m: names for m, names in found.items() if names}
