@@ -38,8 +38,8 @@ from tensorfold_qwen.gdn import GdnWeights
 from tensorfold_qwen.mlp import MoeWeights, moe_then_norm
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
-INPUT_GEMV = False  # the mixers' input projections through kernels.linear_norm's one-launch GEMV; False: torch's
-                    # (off until an A/B on the device picks it: docs/kernels.md "linear_norm")
+INPUT_GEMV = True   # the mixers' input projections through kernels.linear_norm's one-launch GEMV; False: torch's
+                    # (an A/B: docs/kernels.md "linear_norm")
 GATE_IN_ATTENTION = True    # the attention output gated in paged_decode's combine; False: sigmoid_mul apart (an A/B)
 
 
