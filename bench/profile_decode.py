@@ -6,6 +6,7 @@ time to issue the prefill, before waiting for the device) beside `wall_us`.
     python bench/profile_decode.py --shape qwen3_5-9b --batch 1 --out $OUT
     python bench/profile_decode.py --shape nemotron_h-30b-a3b --prefill 8192 --out $OUT
     python bench/profile_decode.py --shape qwen3_5-9b --prefill 8192 --hf --out $OUT    (HF's prefill profiled too)
+    python bench/profile_decode.py --shape qwen3_5-moe-35b --prefill 2048 --host --out $OUT   (host time by function)
     python bench/profile_decode.py --shape glm --batch 1 --out $OUT     (bench/glm_gpu.py's GLM shape)
 """
 
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, help="profile a prefill of this many rows instead")
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--hf", action="store_true", help="with --prefill: profile HF's prefill of the same rows too")
+    parser.add_argument("--host", action="store_true",
+                        help="with --prefill: the host's time by Python function and by file (cProfile) too")
     args = parser.parse_args()
     torch.manual_seed(0)
     ours, layout = subject(args)
@@ -110,6 +113,8 @@ def profile_prefill(args: argparse.Namespace, ours, layout) -> None:
     with torch.inference_mode():
         wall_us, issue_us, prof = profiled(run)
         syncs = host_syncs(run)
+        if args.host:
+            host_profile(args, run)
     report(args, kernel_totals(prof, 1), {"bench": "prefill_profile", "shape": args.shape, "rows": args.prefill,
                                           "chunk": args.chunk, "wall_us": round(wall_us, 1),
                                           "issue_us": round(issue_us, 1), **syncs},
@@ -145,6 +150,35 @@ def profiled(run) -> tuple[float, float, torch.profiler.profile]:
         run()
         torch.cuda.synchronize()
     return wall_us, issue_us, prof
+
+
+def host_profile(args: argparse.Namespace, run) -> None:
+    """Where the host's time goes while it issues `run`: cProfile's own time by function and by file, one JSON line
+    each (largest first), printed and appended to --out/host.jsonl."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile).stats
+    lines, files = [], {}
+    for (filename, lineno, name), (_, calls, own, total, _) in stats.items():
+        where = f"{'/'.join(Path(filename).parts[-2:])}:{lineno}:{name}"
+        lines.append({"bench": "host_function", "where": where, "calls": calls, "own_ms": round(own * 1e3, 2),
+                      "total_ms": round(total * 1e3, 2)})
+        key = "/".join(Path(filename).parts[-3:-1]) if filename.startswith("/") else filename
+        files[key] = files.get(key, 0.0) + own
+    lines = sorted(lines, key=lambda line: -line["own_ms"])[: 2 * args.top]
+    lines += [{"bench": "host_file", "where": key, "own_ms": round(own * 1e3, 2)}
+              for key, own in sorted(files.items(), key=lambda kv: -kv[1])[: args.top]]
+    for line in lines:
+        print(json.dumps(line), flush=True)
+        if args.out is not None:
+            with open(args.out / "host.jsonl", "a") as handle:
+                handle.write(json.dumps(line) + "\n")
 
 
 def host_syncs(run) -> dict:

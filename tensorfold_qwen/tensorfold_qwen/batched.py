@@ -1,12 +1,16 @@
 """The batched forward: every stream's rows of a step through each layer together (the GPU path).
 
     rows of all streams -> one [N, E] tensor; norms and MLPs run once over all N rows, each residual add fused
-                    into the norm after it (the sum rounded as the unfused add rounds it)
+                    into the norm after it (the sum rounded as the unfused add rounds it); in a step of prefill
+                    chunks alone, a folded MoE's experts' sum, that add and the norm are one launch
+    attention:      the step's page tables and its rows' flat key rows uploaded and computed once (KeyRows), at
+                    its first attention layer, and read by every attention layer after it
     1-row streams:  the decode step's own layer functions (decode.py), batched over their slots, so a stream's
                     decode row computes the same thing whether a step also holds prefill chunks or not
     longer streams: packed end to end, their GEMMs, norms and rotations once over all their rows; the causal
                     conv one stream at a time (its tail is the stream's); the chunked delta rule in one varlen
-                    call (cu_seqlens, each stream's initial state gathered by slot, final states scattered back);
+                    call (cu_seqlens, each stream's initial state gathered by slot, final states scattered back;
+                    q and k l2-normalised and read by the value heads inside that op);
                     keys and values written through each row's page table, then one varlen paged prefill
                     attention. A step's launches grow with its layers, not with its prefilling streams; a step
                     with no one-row stream hands its rows to the mixers as they are (no gather, no scatter)
@@ -34,8 +38,8 @@ from tensorfold.kv import KvStore
 from tensorfold.plan import StepPlan
 from tensorfold_qwen import decode
 from tensorfold_qwen.attention import AttentionWeights
-from tensorfold_qwen.gdn import GdnWeights, l2norm
-from tensorfold_qwen.mlp import MoeWeights, moe_routed
+from tensorfold_qwen.gdn import GdnWeights
+from tensorfold_qwen.mlp import MoeWeights, moe_routed, moe_then_norm
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
 
@@ -64,6 +68,39 @@ class Rows:
     single_index: torch.Tensor      # [len(single)] long: the one-row streams' indices in the step
     packed_offsets: torch.Tensor    # [len(longer) + 1] int32: `packed` on the device (varlen attention)
     longer_starts: torch.Tensor     # [len(longer)] int32: their first rows' absolute positions
+    keys: dict[int, KeyRows] = attrs.field(factory=dict)   # by page rows: filled at the step's first attention layer
+
+
+@attrs.frozen
+class KeyRows:
+    """Where a step's rows keep their keys and values: the same page tables and flat rows in every attention layer
+    (each layer's pages are indexed alike), so they are uploaded and computed once a step, not once a layer."""
+
+    longer_tables: torch.Tensor | None    # int32 [len(longer), width]: the prefilling streams' tables
+    longer_dest: torch.Tensor | None      # [L] int64: each packed row's flat row
+    single_tables: torch.Tensor | None    # int32 [len(single), width]
+    single_dest: torch.Tensor | None      # [len(single)] int64
+    single_lengths: torch.Tensor | None   # [len(single)] int32: the keys each one-row stream's row sees
+
+
+def key_rows(rows: Rows, kv: KvStore, page_rows: int) -> KeyRows:
+    """The step's KeyRows for pages of `page_rows` rows, computed on first use."""
+    if page_rows in rows.keys:
+        return rows.keys[page_rows]
+    tables = kv.tables(list(rows.slots))                                               # int32 [streams, width]
+    longer_tables = longer_dest = single_tables = single_dest = single_lengths = None
+    if rows.longer:
+        longer_tables = tables if only_longer(rows) else tables[rows.longer_index]
+        positions = rows.positions if only_longer(rows) else rows.positions[rows.longer_rows]
+        longer_dest = row_ids(longer_tables[rows.longer_of_row], positions,
+                              torch.ones_like(positions, dtype=torch.bool), page_rows)
+    if rows.single:
+        single_tables = tables[rows.single_index]
+        positions = rows.positions[rows.single_rows]
+        single_dest = row_ids(single_tables, positions, torch.ones_like(positions, dtype=torch.bool), page_rows)
+        single_lengths = (positions + 1).int()
+    rows.keys[page_rows] = KeyRows(longer_tables, longer_dest, single_tables, single_dest, single_lengths)
+    return rows.keys[page_rows]
 
 
 def flatten(plan: StepPlan, device: torch.device) -> Rows:
@@ -149,8 +186,13 @@ def layer_step(model, index: int, h: torch.Tensor, x: torch.Tensor, rows: Rows, 
         mixed = attention(layer.mixer, c, h, rows, index, kv, model.inv_freq)
     h, x = rms_norm(model.shard.reduce(mixed), layer.post_norm, c.rms_norm_eps, zero_centred=True,
                     residual=x)                                                        # row-parallel: summed
+    last = index + 1 == len(w.layers)
+    if not last and model.shard.world == 1 and isinstance(layer.ffn, MoeWeights) and only_longer(rows):
+        joined = moe_then_norm(layer.ffn, h, x, w.layers[index + 1].input_norm, c.rms_norm_eps, kind="prefill")
+        if joined is not None:                                  # the experts' sum, the add and the norm in one launch
+            return joined
     out = model.shard.reduce(ffn(layer.ffn, h, rows))
-    if index + 1 == len(w.layers):
+    if last:
         return None, x + out
     return rms_norm(out, w.layers[index + 1].input_norm, c.rms_norm_eps, zero_centred=True, residual=x)
 
@@ -195,19 +237,18 @@ def gdn_chunks(w: GdnWeights, c, h: torch.Tensor, rows: Rows, index: int, kv: Kv
     for i, a, b in zip(rows.longer, bounds[:-1], bounds[1:], strict=True):            # each stream's rows in place
         causal_conv1d_prefill(proj[a:b, :C], w.conv, kv.fixed(index, CONV, rows.slots[i]), out=mixed[a:b])
     q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
-    repeat = NV // c.k_heads
-    # q, k normalised in float32, then in the model's dtype like v: what fla's kernels read best (a bf16 model's
-    # chunks run bf16 dots, as HF's fla path does); a float32 model (the checking mode) keeps the exact chunked form.
-    q = (l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
-         ).to(h.dtype)
-    k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()).to(h.dtype)
+    # q, k go in as the conv wrote them, NK heads each: the op reads key head i // (NV / NK) for value head i and
+    # l2-normalises q and k itself, q scaled by DK^-0.5 (a bf16 model: fla's in-kernel l2norm, one launch each, as
+    # HF's fla path calls it; a float32 model, the checking mode, keeps the exact chunked form: repeat, float32,
+    # l2norm, scale, in gdn.py's order).
     g, beta = gdn_gate_from_terms(proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV], w.gate_decay,
                                   w.gate_bias)                                         # [T, NV] each
     states = kv.fixed_states(index, RECURRENT)                                         # [slots, NV, DK, DV]
-    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim), g, beta,
+    out, final = chunk_gated_delta(q.reshape(T, c.k_heads, c.k_dim), k.reshape(T, c.k_heads, c.k_dim),
+                                   v.reshape(T, NV, c.v_dim), g, beta,
                                    states.index_select(0, rows.longer_slots), cu_seqlens=bounds,
-                                   starts=[rows.starts[i] for i in rows.longer],
-                                   backend="naive" if h.dtype == torch.float32 else None)
+                                   starts=[rows.starts[i] for i in rows.longer], scale=c.k_dim ** -0.5,
+                                   qk_l2norm=True, backend="naive" if h.dtype == torch.float32 else None)
     states.index_copy_(0, rows.longer_slots, final)
     out = gated_rms_norm(out.to(h.dtype), proj[:, C: C + Z].reshape(T, NV, c.v_dim), w.norm, c.rms_norm_eps)
     return F.linear(out.reshape(T, Z), w.out_proj)
@@ -217,32 +258,32 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, rows: Rows, index: int, k
               inv_freq: torch.Tensor) -> torch.Tensor:
     """Gated attention over the step's rows, keys in pages: [N, E] -> [N, E]; one-row streams exactly as the
     decode step runs."""
-    tables = kv.tables(list(rows.slots))                                               # int32 [streams, width]
+    keys = key_rows(rows, kv, kv.row_pages(index, KEYS).shape[1])
     if only_longer(rows):
-        return attention_chunks(w, c, h, rows.positions, tables, rows, index, kv, inv_freq)
+        return attention_chunks(w, c, h, rows.positions, keys.longer_tables, rows, index, kv, inv_freq,
+                                keys.longer_dest)
     out = torch.empty_like(h)
-    page_rows = kv.row_pages(index, KEYS).shape[1]
     if rows.single:
         r = rows.single_rows
-        picked = tables[rows.single_index]
-        positions = rows.positions[r]
-        live = torch.ones_like(positions, dtype=torch.bool)
-        out[r] = decode.attention(w, c, h[r], positions, picked, row_ids(picked, positions, live, page_rows),
-                                  (positions + 1).int(), index, kv, inv_freq)
+        out[r] = decode.attention(w, c, h[r], rows.positions[r], keys.single_tables, keys.single_dest,
+                                  keys.single_lengths, index, kv, inv_freq)
     if rows.longer:
         r = rows.longer_rows
-        out[r] = attention_chunks(w, c, h[r], rows.positions[r], tables[rows.longer_index], rows, index, kv,
-                                  inv_freq)
+        out[r] = attention_chunks(w, c, h[r], rows.positions[r], keys.longer_tables, rows, index, kv, inv_freq,
+                                  keys.longer_dest)
     return out
 
 
 def attention_chunks(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
-                     rows: Rows, index: int, kv: KvStore, inv_freq: torch.Tensor) -> torch.Tensor:
-    """The prefilling streams' chunks through an attention layer, packed: [T, E] -> [T, E]; `tables` theirs."""
+                     rows: Rows, index: int, kv: KvStore, inv_freq: torch.Tensor,
+                     dest: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefilling streams' chunks through an attention layer, packed: [T, E] -> [T, E]; `tables` theirs,
+    `dest` their rows' flat key rows (KeyRows; None: computed here)."""
     q, gate, k, v = decode.attention_inputs(w, c, h, positions, inv_freq)
     k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
-    dest = row_ids(tables[rows.longer_of_row], positions, torch.ones_like(positions, dtype=torch.bool),
-                   k_pages.shape[1])
+    if dest is None:
+        dest = row_ids(tables[rows.longer_of_row], positions, torch.ones_like(positions, dtype=torch.bool),
+                       k_pages.shape[1])
     write_rows(k_pages, k, dest)
     write_rows(v_pages, v, dest)
     longest = max(b - a for a, b in zip(rows.packed[:-1], rows.packed[1:], strict=True))

@@ -103,17 +103,17 @@ def folded_pairs(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> tuple[
     return softmax_top_k(proj[:, :N], w.top_k, proj[:, N:N + 1])
 
 
-def moe_then_norm(w: MoeWeights, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A decode step's MoE layer on the folded fused path ending in the next norm, (that norm's output, residual +
-    the layer's output) as `rms_norm(moe_fused(w, x), norm_weight, eps, zero_centred=True, residual=residual)`
-    gives them, the experts' sum, the add and the norm in one launch (kernels.moe.routed_experts_norm; the same
-    bits); None where that path does not apply (not Triton, not folded)."""
+def moe_then_norm(w: MoeWeights, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  kind: str = "decode") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A MoE layer on the folded fused path ending in the next norm, (that norm's output, residual + the layer's
+    output) as `rms_norm(moe_fused(w, x, kind), norm_weight, eps, zero_centred=True, residual=residual)` gives
+    them, the experts' sum, the add and the norm in one launch (kernels.moe.routed_experts_norm; the same bits);
+    None where that path does not apply (not Triton, not folded)."""
     if w.inputs is None or w.experts_gate_up is None or not use_triton(x):
         return None
-    weights, chosen = folded_pairs(w, x)
+    weights, chosen = folded_pairs(w, x, kind)
     return routed_experts_norm(x, chosen, weights, w.experts_gate_up, w.experts_down, residual, norm_weight, eps,
-                               zero_centred=True, ordered=True)
+                               zero_centred=True, kind=kind, ordered=True)
 
 
 def moe_fused(w: MoeWeights, x: torch.Tensor, kind: str = "decode") -> torch.Tensor:

@@ -161,8 +161,8 @@ def family_identity(config: Mapping[str, Any], dtype: torch.dtype) -> Mapping[st
         "keys": "post k_norm, post partial RoPE",
         "gdn": f"k_heads={c.k_heads}x{c.k_dim} v_heads={c.v_heads}x{c.v_dim} conv={c.conv_kernel}",
         "gdn_state": f"recurrent float32, conv tail {dtype_name(dtype)} (last {c.conv_kernel - 1} inputs)",
-        "gdn_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {dtype_name(dtype)}; 1-token steps "
-                         "recurrent",
+        "gdn_algorithm": f"chunked {CHUNK} on the absolute grid from q, k, v in {dtype_name(dtype)}, q and k "
+                         "l2-normalised inside the chunked op; 1-token steps recurrent",
         "projections": projections_fact(),
     }
 

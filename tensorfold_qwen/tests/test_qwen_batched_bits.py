@@ -24,7 +24,7 @@ from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_wei
 from tensorfold_qwen import batched, decode, plugin
 from tensorfold_qwen import load as loader
 from tensorfold_qwen.config import FULL, QwenConfig
-from tensorfold_qwen.gdn import GdnWeights, l2norm
+from tensorfold_qwen.gdn import GdnWeights
 
 CONV, RECURRENT, KEYS, VALUES = "conv", "recurrent", "k", "v"
 STEPS = [  # per step: (slot, start, length) shares
@@ -80,18 +80,15 @@ def unfused_gdn_chunks(w, c, h, rows, index, kv):
     mixed = torch.cat([causal_conv1d_prefill(proj[a:b, :C], w.conv, kv.fixed(index, CONV, rows.slots[i]))
                        for i, a, b in zip(rows.longer, bounds[:-1], bounds[1:], strict=True)])
     q, k, v = mixed.split([c.k_heads * c.k_dim, c.k_heads * c.k_dim, Z], dim=-1)
-    repeat = NV // c.k_heads
-    q = (l2norm(q.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()) * c.k_dim ** -0.5
-         ).to(h.dtype)
-    k = l2norm(k.reshape(T, c.k_heads, c.k_dim).repeat_interleave(repeat, dim=1).float()).to(h.dtype)
     a, b = proj[:, C + Z + NV:], proj[:, C + Z: C + Z + NV]
     g = -w.A_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
     beta = torch.sigmoid(b).float()
     states = kv.fixed_states(index, RECURRENT)
-    out, final = chunk_gated_delta(q, k, v.reshape(T, NV, c.v_dim), g, beta,
+    out, final = chunk_gated_delta(q.reshape(T, c.k_heads, c.k_dim), k.reshape(T, c.k_heads, c.k_dim),
+                                   v.reshape(T, NV, c.v_dim), g, beta,
                                    states.index_select(0, rows.longer_slots), cu_seqlens=bounds,
-                                   starts=[rows.starts[i] for i in rows.longer],
-                                   backend="naive" if h.dtype == torch.float32 else None)
+                                   starts=[rows.starts[i] for i in rows.longer], scale=c.k_dim ** -0.5,
+                                   qk_l2norm=True, backend="naive" if h.dtype == torch.float32 else None)
     states.index_copy_(0, rows.longer_slots, final)
     out = gated_rms_norm(out.to(h.dtype), proj[:, C: C + Z].reshape(T, NV, c.v_dim), w.norm, c.rms_norm_eps)
     return F.linear(out.reshape(T, Z), w.out_proj)
@@ -145,9 +142,14 @@ def kernels(request):
         yield torch.device("cpu")
 
 
-def write_checkpoint(directory, moe: bool) -> None:
-    """The tiny checkpoint with 8 value heads: z's token stride (C + Z + 2·NV = 336) a multiple of 16."""
-    changes = {**plugin.TINY_CONFIG, **(plugin.TINY_MOE_CHANGES if moe else {}), "linear_num_value_heads": 8}
+def write_checkpoint(directory, moe: str) -> None:
+    """The tiny checkpoint with 8 value heads: z's token stride (C + Z + 2·NV = 336) a multiple of 16. "folded": the
+    shared expert as wide as the experts (35B-A3B's), so on the GPU it is folded into the grouped experts and a
+    step of prefill chunks alone ends each MoE layer in the next norm (mlp.moe_then_norm)."""
+    changes = {**plugin.TINY_CONFIG, **(plugin.TINY_MOE_CHANGES if moe != "dense" else {}),
+               "linear_num_value_heads": 8}
+    if moe == "folded":
+        changes["shared_expert_intermediate_size"] = plugin.TINY_MOE_CHANGES["moe_intermediate_size"]
     config = write_tiny_config(directory, changes)
     write_tiny_weights(directory, loader.expected_shapes(QwenConfig.from_dict(config)), plugin.draw, seed=3)
 
@@ -161,7 +163,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kernels", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])],
     indirect=True)
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", ["dense", "moe", "folded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_batched_step_is_the_unfused_step_bit_for_bit(kernels, moe, dtype, tmp_path, monkeypatch):
     from tensorfold.kernels.rmsnorm import triton_rmsnorm

@@ -25,7 +25,7 @@ from tensorfold.kernels.paged_write import row_ids
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
 from tensorfold.testing import kit
-from tensorfold.testing.launches import Launches, counting_triton, triton_kernels
+from tensorfold.testing.launches import KernelStub, Launches, counting_triton, triton_kernels
 from tensorfold_qwen import attention_inputs as fused_inputs
 from tensorfold_qwen import batched, decode, load, mlp, plugin
 from tensorfold_qwen.fused import can_fold, fuse_moe
@@ -83,12 +83,11 @@ def gdn_layer_ops(subject, monkeypatch, shares: list[tuple[int, int, int]]) -> C
     return mode.ops
 
 
-# what every bf16 GDN layer over prefill rows issues: in_proj, out_proj and the dense MLP's three GEMMs; q and k
-# repeated to the value heads (a copy each), to float32, normalised (x·x, sum, + eps, rsqrt, ·), q scaled, both
-# back to bf16; the gate (a + dt_bias, softplus, · decay; sigmoid(b), to float32); the states gathered by slot
-# and scattered back
-PREFILL = Counter({"mm": 5, "clone": 2, "_to_copy": 5, "mul": 6, "sum": 2, "add": 3, "rsqrt": 2, "softplus": 1,
-                   "sigmoid": 1, "index_select": 1, "index_copy_": 1})
+# what every bf16 GDN layer over prefill rows issues: in_proj, out_proj and the dense MLP's three GEMMs; the gate
+# (a + dt_bias, softplus, · decay; sigmoid(b), to float32); the states gathered by slot and scattered back. q and k
+# go to the chunked op as the conv wrote them (it normalises them and reads them by value head itself): no op here
+PREFILL = Counter({"mm": 5, "_to_copy": 1, "mul": 1, "add": 1, "softplus": 1, "sigmoid": 1, "index_select": 1,
+                   "index_copy_": 1})
 
 
 def test_a_gdn_layer_over_one_prefilling_stream(subject, monkeypatch):
@@ -215,6 +214,36 @@ def test_a_prefill_moe_ffn_groups_its_pairs_on_the_device(monkeypatch):
     assert ops == FOLDED + Counter({
         "sort": 1, "searchsorted": 2, "arange": 3, "index": 2, "sub": 4, "add": 2, "mul": 2, "floor_divide": 1,
         "cumsum": 1, "clamp": 1, "lt": 1, "where": 1, "scalar_tensor": 1, "full": 1, "scatter_": 1, "_to_copy": 2})
+
+
+def test_a_prefill_moe_ffn_ending_in_the_next_norm_is_one_launch_fewer(monkeypatch):
+    """A step of prefill chunks alone ends a folded MoE layer in the next layer's norm (batched.layer_step): the
+    experts' sum, the residual add and the norm in one launch, where the ffn and the norm apart take two."""
+    import tensorfold.kernels.rmsnorm as norm_package
+    from tensorfold.kernels.moe import triton_sum_norm
+    from tensorfold.kernels.rmsnorm import rms_norm, triton_rmsnorm
+
+    w = moe_layer(shared_f=32, top_k=4)
+    x, residual = (torch.randn(40, 64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2))
+    norm = torch.zeros(64, dtype=torch.bfloat16)
+    sum_norm = {triton_sum_norm: ("_sum_norm_kernel",), triton_rmsnorm: ("_rms_norm_kernel",)}
+
+    def ops(joined: bool) -> Counter[str]:
+        with monkeypatch.context() as mp, counting_moe(mp) as mode:
+            for module, names in sum_norm.items():
+                for name in names:
+                    mp.setattr(module, name, KernelStub(mode, name))
+            mp.setattr(norm_package, "use_triton", lambda tensor: True)
+            if joined:
+                assert mlp.moe_then_norm(w, x, residual, norm, 1e-6, kind="prefill") is not None
+            else:
+                rms_norm(mlp.moe_routed(w, x, "prefill"), norm, 1e-6, zero_centred=True, residual=residual)
+        return mode.ops
+
+    apart, joined = ops(joined=False), ops(joined=True)
+    assert apart["triton:_sum_kernel"] == 1 and apart["triton:_rms_norm_kernel"] == 1
+    assert joined == apart - Counter({"triton:_sum_kernel": 1, "triton:_rms_norm_kernel": 1}) + Counter(
+        {"triton:_sum_norm_kernel": 1})
 
 
 # ---- a decode step's gated attention on the Triton path ---------------------------------------------------------
