@@ -79,3 +79,27 @@ def test_moe_rows_take_the_experts_tiles_of_their_kind(subject, monkeypatch):
                               in shares))
         batched_forward(subject.model, plan, store)
         assert calls == expected[step] * layers, (step, calls)
+
+
+
+def test_a_step_uploads_its_page_tables_once(subject):
+    """Every attention layer of a step reads its keys through the same tables and flat rows (batched.KeyRows), so
+    the store builds the step's tables once, however many attention layers the model has; the step still computes
+    what the per-stream reference computes (test_qwen_batched_bits.py: bit for bit what a step building them in
+    every layer computes)."""
+    assert sum(kind == "full_attention" for kind in subject.model.config.layer_types) > 1
+    kept, reference = (subject.store(4, 160, page_rows=16) for _ in range(2))
+    calls, built = [], kept.tables
+
+    def counted(slots):
+        calls.append(list(slots))
+        return built(slots)
+
+    kept.tables = counted
+    for shares in STEPS:
+        plan = StepPlan(tuple(StreamStep(slot, start, tokens(start + length, slot)[start:]) for slot, start, length
+                              in shares))
+        calls.clear()
+        got = batched_forward(subject.model, plan, kept)
+        assert calls == [[slot for slot, _, _ in shares]]
+        assert float((subject.model.forward(plan, reference) - got).abs().max()) < TOLERANCE
