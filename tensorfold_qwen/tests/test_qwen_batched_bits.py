@@ -1,7 +1,8 @@
 """The batched step's launch savings change no bit: its forward against the step it replaced, written out here as
 the reference (every residual add its own op, each mixer gathering its prefill rows and scattering them back, the
 conv outputs concatenated, the GDN gate's per-layer factors computed in the step, the gated norm reading a copy of
-z), compared bit for bit: logits, every fixed state and every key/value page.
+z, each attention layer building the step's page tables and key rows anew, a MoE layer's sum and the next norm
+apart), compared bit for bit: logits, every fixed state and every key/value page.
 
 On CUDA (gpu) with the real kernels; on the CPU with the Triton kernels these savings touch (rmsnorm, the causal
 conv) run in triton's interpreter, the rest naive. The tiny model here has 8 value heads, so the gated norm's z (a
