@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tensorfold.kernels.causal_conv1d import causal_conv1d_prefill
 from tensorfold.kernels.gated_delta import chunk_gated_delta, gdn_gate_from_terms
 from tensorfold.kernels.paged_attention import paged_prefill_varlen
-from tensorfold.kernels.paged_write import row_ids, write_rows
+from tensorfold.kernels.paged_write import decode_rows, row_ids, write_rows
 from tensorfold.kernels.rmsnorm import gated_rms_norm, rms_norm
 from tensorfold.kernels.upload import ints
 from tensorfold.kv import KvStore
@@ -94,11 +94,10 @@ def key_rows(rows: Rows, kv: KvStore, page_rows: int) -> KeyRows:
         positions = rows.positions if only_longer(rows) else rows.positions[rows.longer_rows]
         longer_dest = row_ids(longer_tables[rows.longer_of_row], positions,
                               torch.ones_like(positions, dtype=torch.bool), page_rows)
-    if rows.single:
+    if rows.single:                      # the decode step's own rows and key counts (one launch on a Triton device)
         single_tables = tables[rows.single_index]
-        positions = rows.positions[rows.single_rows]
-        single_dest = row_ids(single_tables, positions, torch.ones_like(positions, dtype=torch.bool), page_rows)
-        single_lengths = (positions + 1).int()
+        single_dest, single_lengths = decode_rows(single_tables, rows.positions[rows.single_rows], rows.single_slots,
+                                                  page_rows)
     rows.keys[page_rows] = KeyRows(longer_tables, longer_dest, single_tables, single_dest, single_lengths)
     return rows.keys[page_rows]
 
@@ -275,15 +274,12 @@ def attention(w: AttentionWeights, c, h: torch.Tensor, rows: Rows, index: int, k
 
 
 def attention_chunks(w: AttentionWeights, c, h: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
-                     rows: Rows, index: int, kv: KvStore, inv_freq: torch.Tensor,
-                     dest: torch.Tensor | None = None) -> torch.Tensor:
+                     rows: Rows, index: int, kv: KvStore, inv_freq: torch.Tensor, dest: torch.Tensor
+                     ) -> torch.Tensor:
     """The prefilling streams' chunks through an attention layer, packed: [T, E] -> [T, E]; `tables` theirs,
-    `dest` their rows' flat key rows (KeyRows; None: computed here)."""
+    `dest` their rows' flat key rows (KeyRows)."""
     q, gate, k, v = decode.attention_inputs(w, c, h, positions, inv_freq)
     k_pages, v_pages = kv.row_pages(index, KEYS), kv.row_pages(index, VALUES)
-    if dest is None:
-        dest = row_ids(tables[rows.longer_of_row], positions, torch.ones_like(positions, dtype=torch.bool),
-                       k_pages.shape[1])
     write_rows(k_pages, k, dest)
     write_rows(v_pages, v, dest)
     longest = max(b - a for a, b in zip(rows.packed[:-1], rows.packed[1:], strict=True))

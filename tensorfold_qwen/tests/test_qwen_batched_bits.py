@@ -108,8 +108,10 @@ def unfused_attention(w, c, h, rows, index, kv, inv_freq):
                                   (positions + 1).int(), index, kv, inv_freq)
     if rows.longer:
         r = rows.longer_rows
-        out[r] = batched.attention_chunks(w, c, h[r], rows.positions[r], tables[rows.longer_index], rows, index, kv,
-                                          inv_freq)
+        positions, longer = rows.positions[r], tables[rows.longer_index]
+        dest = batched.row_ids(longer[rows.longer_of_row], positions, torch.ones_like(positions, dtype=torch.bool),
+                               page_rows)
+        out[r] = batched.attention_chunks(w, c, h[r], positions, longer, rows, index, kv, inv_freq, dest)
     return out
 
 
