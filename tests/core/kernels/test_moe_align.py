@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpreter_fixes")]  # conftest: interpreter bugs
 
@@ -87,6 +88,28 @@ def test_strided_inputs(device):
     """chosen and weights as column slices of wider tensors: the kernels read them through their strides."""
     chosen, weights = draw(70, 8, 64, seed=3, dtype=torch.float32)
     assert_same(chosen[:, ::2], weights[:, 1::2], 64, 16, device)
+
+
+@pytest.mark.parametrize("T, k, N, block_m", [(64, 9, 257, 16), (16, 9, 257, 16), (128, 8, 256, 16)])
+def test_decode_step_shapes(T, k, N, block_m, device):
+    """A decode step's routing at the 35B-A3B (k 8 of 256 and the shared expert as a ninth of 257): rows cut into
+    chunks of a few, and at 64 rows more programs than chunks, the last only filling blocks."""
+    from tensorfold.kernels.moe import triton_align
+    from tensorfold.kernels.moe.alignment import blocks_bound
+    chunks = triton.cdiv(T, triton_align.chunk_rows(T, k))
+    assert chunks >= triton_align.MIN_CHUNKS // 2
+    if T == 64:
+        assert triton.cdiv(blocks_bound(T * k, N, block_m), triton_align.FILL_BLOCKS) > chunks
+    chosen, weights = draw(T, k, N, seed=7 * T + k)
+    assert_same(chosen, weights, N, block_m, device)
+
+
+def test_chunk_rows():
+    """A small T's rows make about MIN_CHUNKS chunks (a power of two rows each); a large T's chunks hold
+    CHUNK_PAIRS pairs (k padded), as before."""
+    from tensorfold.kernels.moe import triton_align
+    assert [triton_align.chunk_rows(T, 9) for T in (1, 16, 17, 64, 128, 1024, 8192)] == [1, 1, 2, 4, 8, 64, 64]
+    assert [triton_align.chunk_rows(T, 8) for T in (2048, 8192)] == [128, 128]
 
 
 @pytest.mark.parametrize("T, k, N, block_m", [(64, 8, 64, 16), (45, 3, 4, 16), (31, 1, 256, 128)])

@@ -1,4 +1,5 @@
-"""triton_align.align_grouped on the GPU at Qwen3.5-35B-A3B's prefill routing (k 8 of N 256, 128-row blocks):
+"""triton_align.align_grouped on the GPU at Qwen3.5-35B-A3B's prefill routing (k 8 of N 256, 128-row blocks) and its
+decode steps' (k 9 of 257, 16-row blocks):
 bitwise equal to triton_moe.align's torch form (run on the CPU, so the reference stays torch whatever align
 dispatches to on CUDA), deterministic, and free of host syncs in eager mode. Skipped without CUDA."""
 
@@ -27,9 +28,10 @@ def routes(T: int, seed: int, skew: bool = False) -> tuple[torch.Tensor, torch.T
     return chosen, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
 
 
-def assert_same(chosen: torch.Tensor, weights: torch.Tensor) -> triton_moe.Alignment:
-    want = triton_moe.align(chosen.cpu(), weights.cpu(), N, BLOCK_M, grouped_only=True)
-    got = triton_align.align_grouped(chosen, weights, N, BLOCK_M)
+def assert_same(chosen: torch.Tensor, weights: torch.Tensor, experts: int = N,
+                block_m: int = BLOCK_M) -> triton_moe.Alignment:
+    want = triton_moe.align(chosen.cpu(), weights.cpu(), experts, block_m, grouped_only=True)
+    got = triton_align.align_grouped(chosen, weights, experts, block_m)
     for name in FIELDS:
         a, b = getattr(want, name), getattr(got, name).cpu()
         assert (b.dtype, b.shape) == (a.dtype, a.shape), name
@@ -61,3 +63,15 @@ def test_gpu_eager_call_never_syncs(T):
         triton_align.align_grouped(chosen, weights, N, BLOCK_M)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("T", [16, 64, 128])
+def test_gpu_decode_step_alignment(T):
+    """A decode step's routing at the 35B-A3B (k 8 of 256, the shared expert a ninth pair of 257, 16-row blocks):
+    the few-row chunks and the programs that only fill blocks, against the torch form."""
+    experts, k, block_m = 257, 9, triton_moe.BLOCK_M
+    g = torch.Generator(device="cuda").manual_seed(T)
+    routed = torch.randn(T, experts - 1, device="cuda", generator=g).topk(k - 1, dim=-1).indices
+    chosen = torch.cat([routed, torch.full((T, 1), experts - 1, device="cuda")], dim=1)
+    weights = torch.rand(T, k, device="cuda", generator=g).to(torch.bfloat16)
+    assert_same(chosen, weights, experts, block_m)

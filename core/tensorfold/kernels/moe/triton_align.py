@@ -1,7 +1,10 @@
 """The grouped alignment of triton_moe in two Triton launches: the same `Alignment`, bit for bit, as
 `triton_moe.align(chosen, weights, N, block_m, grouped_only=True)`, without its dozen small torch launches.
 
-The rows are cut into chunks of ROWS rows (about CHUNK_PAIRS pairs); both kernels run one program per chunk.
+The rows are cut into chunks of ROWS rows (at most CHUNK_PAIRS pairs, fewer rows for a small T so that a decode
+step's few pairs still spread over about MIN_CHUNKS programs); _rows_kernel runs one program per chunk, _place_kernel
+one per chunk and at least enough more that each fills at most FILL_BLOCKS blocks. The chunking changes no result:
+the pairs land in the stable order by pair index whatever the chunks.
 
     _rows_kernel, program (chunk c)    each row's k pairs in ascending id, ties in j order (a pair's rank is the
                                        count of its row's pairs before it), written to expert / weight at
@@ -17,7 +20,7 @@ The rows are cut into chunks of ROWS rows (about CHUNK_PAIRS pairs); both kernel
 
 Every row of row_pair has one writer (a pair's place, or a padding row past its group's pairs), so the two
 launches need no fill, no atomics and no host sync, and the result does not depend on scheduling. Launch sizes
-are functions of T, k, N and block_m alone: cdiv(T, ROWS) programs, blocks_bound(T·k, N, block_m) blocks.
+are functions of T, k, N and block_m alone (chunks(T, k), blocks_bound(T·k, N, block_m) blocks).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import triton.language as tl
 
 from tensorfold.kernels.moe.alignment import Alignment, blocks_bound
 
-CHUNK_PAIRS = 1024  # pairs per program (k padded to a power of two)
+CHUNK_PAIRS = 1024  # pairs per program at most (k padded to a power of two)
+MIN_CHUNKS = 16     # a small T's rows still cut into about this many chunks (rows a chunk: a power of two)
 SUB_PAIRS = 64      # pairs per step of a chunk's scatter (a SUB × SUB compare)
 HIST_ROWS = 8       # chunks' histograms read per step of the prefix over chunks
 FILL_BLOCKS = 16    # blocks per step of a program's share of block_expert and the padding rows
@@ -61,7 +65,7 @@ def _place_kernel(expert_ptr, hist_ptr, row_pair_ptr, block_expert_ptr, P, N, G,
                   K_TOP: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr, NB: tl.constexpr,
                   BLOCK_M: tl.constexpr, BM2: tl.constexpr, HIST_ROWS: tl.constexpr, FILL: tl.constexpr):
     """The chunk's pairs scattered to their padded rows; block_expert and the padding rows of PER blocks."""
-    c = tl.program_id(0)
+    c = tl.program_id(0)   # programs past the G chunks only fill blocks
     bins = tl.arange(0, NB)
     total = tl.zeros([NB], dtype=tl.int32)
     earlier = tl.zeros([NB], dtype=tl.int32)
@@ -76,14 +80,15 @@ def _place_kernel(expert_ptr, hist_ptr, row_pair_ptr, block_expert_ptr, P, N, G,
     starts = ends - padded
     place = starts + earlier                            # an expert's next free row, for this chunk's pairs
     s = tl.arange(0, SUB)
-    for q0 in range(0, ROWS * K_TOP, SUB):
-        pair = c * (ROWS * K_TOP) + q0 + s
-        ok = (q0 + s < ROWS * K_TOP) & (pair < P)
-        expert = tl.load(expert_ptr + pair, mask=ok, other=N)
-        ahead = (expert[None, :] == expert[:, None]) & (s[None, :] < s[:, None])
-        dest = tl.gather(place, expert, 0) + tl.sum(ahead.to(tl.int32), axis=1)
-        tl.store(row_pair_ptr + dest, pair, mask=ok & (expert < N))
-        place += tl.histogram(expert, NB, mask=ok)
+    if c < G:
+        for q0 in range(0, ROWS * K_TOP, SUB):
+            pair = c * (ROWS * K_TOP) + q0 + s
+            ok = (q0 + s < ROWS * K_TOP) & (pair < P)
+            expert = tl.load(expert_ptr + pair, mask=ok, other=N)
+            ahead = (expert[None, :] == expert[:, None]) & (s[None, :] < s[:, None])
+            dest = tl.gather(place, expert, 0) + tl.sum(ahead.to(tl.int32), axis=1)
+            tl.store(row_pair_ptr + dest, pair, mask=ok & (expert < N))
+            place += tl.histogram(expert, NB, mask=ok)
 
     used_end = starts + counts                          # rows past this in an expert's group are padding
     r = tl.arange(0, BM2)
@@ -100,6 +105,12 @@ def _place_kernel(expert_ptr, hist_ptr, row_pair_ptr, block_expert_ptr, P, N, G,
         tl.store(row_pair_ptr + row, tl.full([FILL, BM2], 0, tl.int32) + P, mask=b_ok[:, None] & pad)
 
 
+def chunk_rows(T: int, k: int) -> int:
+    """Rows a chunk: CHUNK_PAIRS pairs' worth, or fewer (a power of two) so that T rows make about MIN_CHUNKS."""
+    most = max(1, CHUNK_PAIRS // triton.next_power_of_2(k))
+    return min(most, triton.next_power_of_2(triton.cdiv(T, MIN_CHUNKS)))
+
+
 def align_grouped(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: int) -> Alignment:
     """triton_moe.align's grouped form (chosen [T, k] ids, weights [T, k]) in two launches sized by T, k, N and
     block_m only, so a prefill's routing costs two launches and no host read."""
@@ -114,14 +125,16 @@ def align_grouped(chosen: torch.Tensor, weights: torch.Tensor, N: int, block_m: 
     if P == 0:
         return plan
     kp = triton.next_power_of_2(k)
-    rows = max(1, CHUNK_PAIRS // kp)
+    rows = chunk_rows(T, k)
     chunks = triton.cdiv(T, rows)
+    programs = max(chunks, triton.cdiv(blocks, FILL_BLOCKS))
     nb = triton.next_power_of_2(N + 1)
     hist = torch.empty((chunks, nb), dtype=torch.int32, device=device)
     _rows_kernel[(chunks,)](chosen, weights, expert, weight, hist, T, N, chosen.stride(0), chosen.stride(1),
                             weights.stride(0), weights.stride(1), K_TOP=k, KP=kp, ROWS=rows, NB=nb, num_warps=8)
-    _place_kernel[(chunks,)](expert, hist, row_pair, block_expert, P, N, chunks, blocks, triton.cdiv(blocks, chunks),
-                             K_TOP=k, ROWS=rows, SUB=SUB_PAIRS, NB=nb, BLOCK_M=block_m,
-                             BM2=triton.next_power_of_2(block_m), HIST_ROWS=HIST_ROWS, FILL=FILL_BLOCKS,
-                             num_warps=8)
+    per = triton.cdiv(blocks, programs)
+    _place_kernel[(programs,)](expert, hist, row_pair, block_expert, P, N, chunks, blocks, per,
+                               K_TOP=k, ROWS=rows, SUB=SUB_PAIRS, NB=nb, BLOCK_M=block_m,
+                               BM2=triton.next_power_of_2(block_m), HIST_ROWS=HIST_ROWS, FILL=FILL_BLOCKS,
+                               num_warps=8)
     return plan
