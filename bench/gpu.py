@@ -252,9 +252,10 @@ def our_decode(ours, layout, batch: int, prompt: int, steps: int, chunk: int, gr
     return (time.perf_counter() - start) / steps
 
 
-def bytes_per_step(hf, config, batch_one: bool = True) -> int:
-    """Weight bytes one decode step of one stream reads: every parameter but the embedding table (one row is
-    read) and, in a MoE, the experts the token does not choose."""
+def bytes_per_step(hf, config, batch: int = 1) -> int:
+    """Weight bytes one decode step of `batch` streams reads: every parameter but the embedding table (one row a
+    stream is read) and, in a MoE, the experts no row chooses: with each row's k of N chosen at random (random
+    weights route so), an expert is left out with probability (1 - k/N)^batch."""
     total = sum(p.numel() * p.element_size() for p in hf.parameters())
     embed = hf.get_input_embeddings().weight
     if embed.data_ptr() != hf.get_output_embeddings().weight.data_ptr():
@@ -262,8 +263,14 @@ def bytes_per_step(hf, config, batch_one: bool = True) -> int:
     experts = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
     if experts:
         expert_bytes = sum(p.numel() * p.element_size() for name, p in hf.named_parameters() if ".experts." in name)
-        total -= expert_bytes * (experts - config.num_experts_per_tok) // experts
+        total -= round(expert_bytes * (1 - config.num_experts_per_tok / experts) ** batch)
     return total
+
+
+def step_bytes(weights_read: int, layout, batch: int, context: int) -> int:
+    """Bytes a decode step of `batch` streams at `context` rows must move at least: the weights it reads
+    (bytes_per_step), each stream's fixed state read and written, and its kv rows read."""
+    return weights_read + batch * (layout.fixed_bytes * 2 + layout.bytes_per_token * context)
 
 
 def hf_decode(hf, batch: int, prompt: int, steps: int) -> float:
@@ -334,6 +341,7 @@ def main() -> None:
     params = sum(p.numel() for p in hf.parameters())
     weights = params * 2
     read = bytes_per_step(hf, config)
+    reads = {batch: bytes_per_step(hf, config, batch) for batch in args.batches}   # before ours takes hf's tensors
     hf_decode_s: dict[int, float] = {}
     hf_prefill_s: dict[int, float] = {}
     with torch.inference_mode():                       # HF first: ours then takes its tensors (ours_in_place_of)
@@ -356,10 +364,9 @@ def main() -> None:
                       "hf_tok_s": None if hf_s is None else round(batch / hf_s, 1)}
             if hf_s is not None:
                 record["speedup"] = round(hf_s / ours_s, 2)
-            if batch == 1:
-                moved = read + layout.fixed_bytes * 2 + layout.bytes_per_token * args.prompt
-                record["hbm_limit_fraction"] = round(moved / bandwidth / ours_s, 3)
-                record["step_ms"] = round(ours_s * 1e3, 3)
+            moved = step_bytes(reads[batch], layout, batch, args.prompt)
+            record |= {"hbm_limit_fraction": round(moved / bandwidth / ours_s, 3), "step_ms": round(ours_s * 1e3, 3),
+                       "limit_ms": round(moved / bandwidth * 1e3, 3)}
             emit(args.out, **record)
             for name in SWITCHES:
                 if getattr(args, name) == "ab":

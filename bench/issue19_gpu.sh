@@ -8,6 +8,8 @@
 #            and prefill, ours vs HF (only when PHASES names it)
 #   profile  bench/profile_decode.py --prefill: where our prefill's GPU time goes (and HF's, with PROFILE_HF=1;
 #            PROFILE_ARGS: more flags)
+#   step     bench/profile_decode.py --batch DECODE_BATCH: a decode step's kernels at SHAPE (not in the default)
+#   tiles    bench/moe_tiles.py --decode at the 35B-A3B's experts (TILES_ARGS, TILES_ROWS; not in the default)
 #   tests    pytest -m gpu (TESTS, all GPU tests unless set); KDA's records in $OUT/kda-gpu-tests.jsonl
 # JSON lines in $OUT/*.jsonl and $OUT/phases.jsonl; everything the phases print in $OUT/issue19.log.
 #
@@ -53,6 +55,14 @@ fi
 if [[ $PHASES == *" profile "* ]]; then
   run profile "${PROFILE_SECONDS:-120}" python3 bench/profile_decode.py --shape "${SHAPE:-qwen3_5-9b}" \
     --prefill "${ROWS:-8192}" ${PROFILE_HF:+--hf} --top 40 --out "$OUT" ${PROFILE_ARGS:-}   # PROFILE_ARGS: "--chunk 8192"
+fi
+if [[ $PHASES == *" step "* ]]; then   # where a decode step's GPU time goes at DECODE_BATCH streams
+  run step "${STEP_SECONDS:-150}" python3 bench/profile_decode.py --shape "${SHAPE:-qwen3_5-9b}" \
+    --batch "${DECODE_BATCH:-64}" --top 40 --out "$OUT"
+fi
+if [[ $PHASES == *" tiles "* ]]; then   # the experts' decode kernels apart (TILES_ARGS: "--deep" sweeps instead)
+  run tiles "${TILES_SECONDS:-120}" python3 bench/moe_tiles.py --decode ${TILES_ARGS:---profile} \
+    --rows ${TILES_ROWS:-1 64} --hidden 2048 --inner 512 --experts 257 --top 9 --activation silu_gate --out "$OUT"
 fi
 if [[ $PHASES == *" tests "* ]]; then
   # shellcheck disable=SC2086

@@ -45,15 +45,19 @@ def main() -> None:
         return profile_prefill(args, ours, layout)
     context = args.prompt + 3 * args.steps + 4
     store = our_store(layout, args.batch, context)
+    # each stream its own random tokens, so a MoE routes the batch as it routes a real one (the same tokens in every
+    # stream would route every row to the same experts)
+    tokens = torch.randint(0, ours.vocab_size, (args.batch, args.prompt)).tolist()
     with torch.inference_mode():
         for slot in range(args.batch):
-            ours.forward(StepPlan((StreamStep(slot, 0, tuple(range(3, 3 + args.prompt))),)), store)
+            ours.forward(StepPlan((StreamStep(slot, 0, tokens[slot]),)), store)
         runners = {g: DecodeRunner(ours, store, (args.batch,), context, graphs=g) for g in (False, True)}
         runners[True].capture()
         position = [args.prompt]
 
         def step(graphs: bool) -> None:
-            plan = StepPlan(tuple(StreamStep(s, position[0], (7,)) for s in range(args.batch)))
+            at = position[0]
+            plan = StepPlan(tuple(StreamStep(s, at, (tokens[s][at % args.prompt],)) for s in range(args.batch)))
             runners[graphs].forward(plan, store)
             position[0] += 1
 
