@@ -20,7 +20,7 @@ the pairs land in the stable order by pair index whatever the chunks.
 
 Every row of row_pair has one writer (a pair's place, or a padding row past its group's pairs), so the two
 launches need no fill, no atomics and no host sync, and the result does not depend on scheduling. Launch sizes
-are functions of T, k, N and block_m alone (chunks(T, k), blocks_bound(T·k, N, block_m) blocks).
+are functions of T, k, N and block_m alone: cdiv(T, chunk_rows(T, k)) chunks, blocks_bound(T·k, N, block_m) blocks.
 """
 
 from __future__ import annotations
