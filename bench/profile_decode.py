@@ -178,11 +178,7 @@ def host_profile(args: argparse.Namespace, run) -> None:
     lines = sorted(lines, key=lambda line: -line["own_ms"])[: 2 * args.top]
     lines += [{"bench": "host_file", "where": key, "own_ms": round(own * 1e3, 2)}
               for key, own in sorted(files.items(), key=lambda kv: -kv[1])[: args.top]]
-    for line in lines:
-        print(json.dumps(line), flush=True)
-        if args.out is not None:
-            with open(args.out / "host.jsonl", "a") as handle:
-                handle.write(json.dumps(line) + "\n")
+    emit_lines(args, lines, "host.jsonl")
 
 
 def host_syncs(run) -> dict:
@@ -217,10 +213,15 @@ def report(args: argparse.Namespace, totals: dict[str, list[float]], head: dict,
               "kernels": round(sum(c for _, c in totals.values()), 1)}]
     for name, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.top]:
         lines.append({"bench": kind, "name": name[:90], "us": round(t, 1), "calls": c})
+    emit_lines(args, lines, "profile.jsonl")
+
+
+def emit_lines(args: argparse.Namespace, lines: list[dict], name: str) -> None:
+    """Each line printed as JSON and appended to --out/`name`."""
     for line in lines:
         print(json.dumps(line), flush=True)
         if args.out is not None:
-            with open(args.out / "profile.jsonl", "a") as handle:
+            with open(args.out / name, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
 
 
