@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 from rss import rss_mib  # bench/rss.py: this script runs from bench/ on sys.path
 
+from tensorfold.ports import free_port
 from tensorfold.settings import default_request_bytes
 from tensorfold.testing.fuzz import Fuzzer, Limits
 from tensorfold.testing.fuzz_http import Outcome, greedy, health_problems, run_cases
-from tensorfold.testing.process import free_port
 
 VOCAB = 512  # the tiny tokenizer's ids
 

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tensorfold.ports import free_port
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,9 +119,7 @@ async def level(url: str, clients: int, seconds: float, max_tokens: int, words: 
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "tensorfold", "serve", "--family", args.family, "--port", str(port),
                "--parallel", str(args.parallel), "--log-level", "warning"]
     if args.model:

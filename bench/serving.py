@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import gpu  # bench/gpu.py: python puts the script's directory (bench/) first on
 import torch
 from gpu import SHAPES
 
+from tensorfold.ports import free_port
 from tensorfold.testing.tiny_tokenizer import CHATML, SPECIALS
 
 BENCH = Path(__file__).resolve().parent
@@ -218,11 +218,6 @@ def run_level(args: argparse.Namespace, client: Path, port: int, checkpoint: Pat
 
 
 # ---------------------------------------------------------------- the server
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5) -> int:

@@ -18,7 +18,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import httpx
 from rss import growth, rss_mib, status_kib  # bench/rss.py: this script runs from bench/ on sys.path
 from soak_load import WORDS, Client, Tally  # bench/soak_load.py
 
+from tensorfold.ports import free_port
+
 START_TIMEOUT_S = 300.0
 SHOWN_COUNTERS = ("prompt_cache_states", "host_cache_states", "disk_states", "disk_bytes", "prompt_cache_hits",
                   "prompt_cache_evicted", "host_cache_hits", "host_cache_evicted", "disk_hits", "disk_written",
@@ -40,12 +41,6 @@ def emit(line: str, **fields: Any) -> None:
     """One JSON line."""
     print(json.dumps({"bench": "soak", "line": line, **fields}), flush=True)
 
-
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_args(args: argparse.Namespace, learn_dir: Path, port: int) -> list[str]:

@@ -50,9 +50,9 @@ from tensorfold.follow.channel import backend_for, join, leave
 from tensorfold.follow.rank import load_rank
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
+from tensorfold.ports import free_port
 from tensorfold.shard import SINGLE, Shard
 from tensorfold.testing.cuda_graphs import captured
-from tensorfold.testing.tp_world import free_port
 
 GLM_SHAPES = {"glm5_next-8l-64e": (8, 64, False), "glm5_next-tiny": (4, 8, True)}   # layers, experts, small
 JSONL = "tp.jsonl"

@@ -17,9 +17,9 @@ from tensorfold.follow.rank import load_rank
 from tensorfold.kv import WindowStore
 from tensorfold.plan import DecodeBatch, StepPlan, StreamStep
 from tensorfold.plugins import load_families
+from tensorfold.ports import free_port
 from tensorfold.shard import SINGLE
 from tensorfold.testing.kit import every_row
-from tensorfold.testing.tp_world import free_port
 
 
 def prompt_states(rank: int, world: int, port: int, model: Path, tokens: Sequence[int], cuts: Sequence[int],

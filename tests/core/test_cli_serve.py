@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tensorfold.testing.process import free_port, serving, tail
+from tensorfold.ports import free_port
+from tensorfold.testing.process import serving, tail
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ ROOT = Path(tensorfold.__file__).parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contracts", ("tensorfold", "tensorfold.settings", "tensorfold.refusals", "tensorfold.layout", "tensorfold.plan",
                    "tensorfold.cuts", "tensorfold.checkpoint", "tensorfold.tokenizer", "tensorfold.memory_plan",
-                   "tensorfold.heap_trim", "tensorfold.kernels", "tensorfold.shard")),
+                   "tensorfold.heap_trim", "tensorfold.kernels", "tensorfold.shard", "tensorfold.ports")),
     ("states", ("tensorfold.kv", "tensorfold.pool", "tensorfold.image", "tensorfold.image_rows")),
     ("family", ("tensorfold.family", "tensorfold.hookspecs", "tensorfold.plugins", "tensorfold.embedded")),
     ("memory", ("tensorfold.memory",)),

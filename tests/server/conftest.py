@@ -4,7 +4,6 @@ process (with an openai client on it) for the e2e tests."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from tensorfold.boot import Loaded, boot
 from tensorfold.family import Family
 from tensorfold.plugins import load_families
+from tensorfold.ports import free_port
 from tensorfold.settings import read_settings
 from tensorfold.tokenizer import ChatTokenizer
 
@@ -74,12 +74,6 @@ class Server:
         """The OpenAI base URL."""
         return self.base_url + "/v1"
 
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tensorfold(*args: str, log: Path, timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -22,8 +22,9 @@ from tensorfold.boot import Loaded, build_memory, memory_plan
 from tensorfold.engine.api import DeviceLost
 from tensorfold.engine.runner import Engine
 from tensorfold.launch import ENGINE_DEAD_STATUS
+from tensorfold.ports import free_port
 from tensorfold.server import build_app
-from tensorfold.testing.process import free_port, tail
+from tensorfold.testing.process import tail
 
 TRIGGER = 499  # a step that feeds this token id loses the device
 LOST = "the device is lost: DeviceLost: the test device is gone"

@@ -36,7 +36,8 @@ from learn_cases import (
 )
 from learn_files import blocks_of, data_bytes, data_files, kept, learned
 
-from tensorfold.testing.process import free_port, serving, tail
+from tensorfold.ports import free_port
+from tensorfold.testing.process import serving, tail
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,8 @@ import openai
 import pytest
 
 from tensorfold.launch import ENGINE_DEAD_STATUS
-from tensorfold.testing.process import free_port, healthy, tail
+from tensorfold.ports import free_port
+from tensorfold.testing.process import healthy, tail
 from tensorfold.testing.tiny_checkpoint import write_tiny_config, write_tiny_weights
 from tensorfold_example import load as loader
 from tensorfold_example.model import ExampleConfig

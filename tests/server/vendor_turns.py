@@ -33,7 +33,8 @@ import openai
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tensorfold.plugins import load_families
-from tensorfold.testing.process import free_port, healthy, tail
+from tensorfold.ports import free_port
+from tensorfold.testing.process import healthy, tail
 from tensorfold.testing.tiny_tokenizer import CORPUS, SPECIALS
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "core" / "chat" / "templates"

@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -38,6 +37,7 @@ from tensorfold.follow.child import FollowerJob, Report, run_follower
 from tensorfold.follow.leader import Leader
 from tensorfold.follow.rank import rank_device
 from tensorfold.kv import KvStore
+from tensorfold.ports import free_port
 from tensorfold.shard import RankLost
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,6 @@ STOP_GRACE_S = 10.0   # a follower told to stop has this long to exit before it 
 class FollowerFailed(RuntimeError):
     """A follower did not start: which rank, and why (its own reason, or how its process ended)."""
 
-
-def free_port() -> int:
-    """A loopback port free now, for the rendezvous (rank 0 listens on it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ended(code: int | None) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from tensorfold.ports import free_port
+
 LOG_TAIL = 4000
 
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def healthy(url: str) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -33,6 +32,7 @@ from tensorfold.plan import StepPlan
 from tensorfold.plugins import load_families
 from tensorfold.pool.pages import PagePool
 from tensorfold.pool.slots import SlotPool
+from tensorfold.ports import free_port
 from tensorfold.rows.identity import identity_facts, prefill_rate, probe_hash
 from tensorfold.rows.store import RowsStore
 from tensorfold.service import EngineDead
@@ -67,12 +67,6 @@ class Job:
     learn_dir: Path | None = None      # the disk tier's --learn-dir (None: off)
     learn_block_rows: int = 8
 
-
-def free_port() -> int:
-    """A port free on the loopback now (rank 0 listens on it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Recorder:
