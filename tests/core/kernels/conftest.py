@@ -18,6 +18,7 @@ from tensorfold.testing import triton_interpreter
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    triton_interpreter.quick_device_calls()
 
 
 def pytest_collection_modifyitems(items):

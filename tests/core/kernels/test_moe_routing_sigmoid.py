@@ -143,7 +143,7 @@ def test_rejects_bad_arguments():
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "raw"])
 @pytest.mark.parametrize("N, k, n_group, topk_group", SHAPES)
 def test_triton_matches_naive_and_hf(N, k, n_group, topk_group, norm, device):
-    logits, bias = case(64, N, seed=10 * N + k)
+    logits, bias = case(64 if device == "cuda" else 16, N, seed=10 * N + k)    # the interpreter runs a row a program
     weights, chosen = kernel_call(device, logits, bias, k, n_group, topk_group, norm, SCALE)
     naive_weights, naive_chosen = routing.sigmoid_naive(logits, bias, k, n_group, topk_group, norm, SCALE)
     assert torch.equal(chosen, naive_chosen)

@@ -130,7 +130,8 @@ def test_triton_decode_long_streams_split_at_512(device):
 @pytest.mark.parametrize("path", ["naive", "triton-64", "triton-spread-2"])
 def test_decode_is_batch_invariant(path, device):
     """One stream's output alone equals its output at any place in batches of 1..16, bit for bit (spread 2: each
-    stream's split size follows its own length, 64 or 128 keys here)."""
+    stream's split size follows its own length, 64 or 128 keys here). The interpreter takes six of the sixteen
+    batches, the stream first, in the middle and last among them."""
     from tensorfold.kernels.paged_attention import triton_decode
     fn = naive.paged_decode if path == "naive" else triton_decode.paged_decode
     kwargs = {"naive": {}, "triton-64": {"split_keys": 64}, "triton-spread-2": {"spread": 2}}[path]
@@ -140,7 +141,7 @@ def test_decode_is_batch_invariant(path, device):
     q = torch.randn(16, H, D).to(torch.bfloat16).to(device)
     lengths = torch.tensor([70, *others], dtype=torch.int32, device=device)
     alone = fn(q[:1], pool.k, pool.v, pool.tables[:1, :6], lengths[:1], D ** -0.5, **kwargs)
-    for B in range(1, 17):
+    for B in range(1, 17) if device == "cuda" or path == "naive" else (1, 2, 3, 7, 12, 16):
         at = 5 * B // 7                                                     # the stream's place in this batch
         order = list(range(1, B))
         order.insert(at, 0)
