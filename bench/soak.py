@@ -42,7 +42,6 @@ def emit(line: str, **fields: Any) -> None:
     print(json.dumps({"bench": "soak", "line": line, **fields}), flush=True)
 
 
-
 def serve_args(args: argparse.Namespace, learn_dir: Path, port: int) -> list[str]:
     """`tensorfold serve` arguments: kept states on the device, host and disk tiers, each capped small."""
     found = ["serve", "--family", args.family, "--port", str(port), "--context", str(args.context),

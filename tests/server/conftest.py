@@ -75,7 +75,6 @@ class Server:
         return self.base_url + "/v1"
 
 
-
 def tensorfold(*args: str, log: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run the CLI to completion, output appended to `log`."""
     with log.open("a") as out:

@@ -48,7 +48,6 @@ class FollowerFailed(RuntimeError):
     """A follower did not start: which rank, and why (its own reason, or how its process ended)."""
 
 
-
 def ended(code: int | None) -> str:
     """How a process ended, for a person: its exit status or the signal that killed it."""
     if code is None:

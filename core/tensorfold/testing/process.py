@@ -17,7 +17,6 @@ from tensorfold.ports import free_port
 LOG_TAIL = 4000
 
 
-
 def healthy(url: str) -> bool:
     """The server at `url` answers /health with 200 now."""
     try:

@@ -68,7 +68,6 @@ class Job:
     learn_block_rows: int = 8
 
 
-
 class Recorder:
     """A FamilyModel that keeps every logits row its model returns, in order, and apart those of the steps where
     every stream feeds one row (decode steps: as many with kept states as without)."""
