@@ -3,13 +3,7 @@ CUDA, triton kernels (hc_fused's) run in triton's interpreter, chosen before a k
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from tensorfold.testing import triton_interpreter
 from tensorfold.testing.fixtures import one_thread, own_cwd  # noqa: F401  (imported fixtures are active)
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    triton_interpreter.quick_device_calls()
+triton_interpreter.interpret_without_cuda()

@@ -66,6 +66,15 @@ def interpreter_fixes() -> Iterator[None]:
         yield
 
 
+def interpret_without_cuda() -> None:
+    """Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1 unless already set) with
+    quick_device_calls; for a conftest, before any kernel module is first imported."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        quick_device_calls()
+
+
 def quick_device_calls() -> bool:
     """Patch triton's interpreter, once per process, so a helper called inside a launch reuses the language modules
     the launch patched; a helper with modules the launch did not patch, or a call outside a launch, patches as

@@ -16,9 +16,7 @@ import torch
 
 from tensorfold.testing import triton_interpreter
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    triton_interpreter.quick_device_calls()
+triton_interpreter.interpret_without_cuda()
 
 
 def pytest_collection_modifyitems(items):
