@@ -28,6 +28,8 @@ from tensorfold.kernels.backend import use_triton
 from tensorfold.kernels.moe import routed_experts as kernel_experts
 from tensorfold.kernels.moe import sigmoid_bias_top_k
 
+PAIR_WEIGHT_BYTES = 1 << 25   # the expert weights one batch of pairs gathers (rows are batched up to it)
+
 
 @attrs.frozen
 class MlpWeights:
@@ -54,11 +56,16 @@ class MoeWeights:
     experts_down: torch.Tensor | None = None      # [N + 1, E, F]
 
 
+def clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate clamped above at limit, up clamped to ±limit); both as given if limit is None."""
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
 def clamped_glu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """silu(gate clamped above at limit) · (up clamped to ±limit), in the inputs' dtype; no clamp if limit is None."""
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
+    gate, up = clamped(gate, up, limit)
     return F.silu(gate) * up
 
 
@@ -112,18 +119,24 @@ def route(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, nor
 
 def routed_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                    limit: float | None) -> torch.Tensor:
-    """Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) per row, one row and one expert at a time (so a row's
-    result never depends on the other rows), summed in float32 in the order of `chosen`, cast to x's dtype."""
+    """Σ_j weights[t, j] · expert_{chosen[t, j]}(x[t]) per row, summed in float32 in the order of `chosen`, cast to
+    x's dtype. Each (row, expert) pair is its own GEMM of one row (a batched matmul over gathered expert weights)
+    and its SiLU its own call on that pair's F values, so a row's result never depends on the other rows."""
+    T, k = chosen.shape
+    E, per_pair = x.shape[1], (w.gate_up[0].numel() + w.down[0].numel()) * w.gate_up.element_size()
+    step = max(1, PAIR_WEIGHT_BYTES // per_pair // k)                                # rows a batch
     out = torch.empty_like(x)                                                        # [T, E]
-    picks = chosen.tolist()
-    for t in range(x.shape[0]):
-        row = x[t:t + 1]                                                             # [1, E]
-        total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)        # [E]
-        for j, expert in enumerate(picks[t]):
-            gate, up = F.linear(row, w.gate_up[expert]).chunk(2, dim=-1)              # [1, F] each
-            hidden = F.linear(clamped_glu(gate, up, limit), w.down[expert])[0]       # [E] x's dtype
-            total = total + hidden.float() * weights[t, j]                          # float32, as HF promotes
-        out[t] = total.to(x.dtype)
+    for start in range(0, T, step):
+        rows = slice(start, min(T, start + step))
+        ids = chosen[rows].reshape(-1)                                               # [P] P = rows · k
+        pairs = x[rows].repeat_interleave(k, dim=0)[:, None]                         # [P, 1, E]
+        gate, up = clamped(*torch.bmm(pairs, w.gate_up[ids].transpose(1, 2)).chunk(2, dim=-1), limit)  # [P, 1, F]
+        act = torch.stack([F.silu(pair) for pair in gate.unbind(0)])                 # [P, 1, F] a call a pair
+        hidden = torch.bmm(act * up, w.down[ids].transpose(1, 2)).view(-1, k, E)    # [rows, k, E] x's dtype
+        total = torch.zeros(hidden.shape[0], E, dtype=torch.float32, device=x.device)
+        for j in range(k):
+            total = total + hidden[:, j].float() * weights[rows, j, None]         # float32, as HF promotes
+        out[rows] = total.to(x.dtype)
     return out
 
 
@@ -131,7 +144,7 @@ def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_
         topk_group: int, limit: float | None) -> torch.Tensor:
     """The sparse layer: routed experts plus the shared expert, [T, E] -> [T, E] in x's dtype. On a Triton device
     `moe_fused` with the kernels' prefill tiles; on CUDA without Triton the routed experts run as `pair_experts`
-    with the prefill tiles; on the CPU one row at a time (the reference)."""
+    with the prefill tiles; on the CPU `routed_experts` (the reference: each row's bits its own)."""
     if use_triton(x):
         return moe_fused(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group, limit, kind="prefill")
     weights, chosen = route(w, x, top_k, routed_scaling, norm_topk_prob, n_group, topk_group)
@@ -144,7 +157,7 @@ def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_
 
 def pair_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                  limit: float | None, kind: str) -> torch.Tensor:
-    """`routed_experts` with no host sync: each (row, expert) pair through the kernels' `routed_experts` as its own
+    """`routed_experts` through the kernels: each (row, expert) pair through the kernels' `routed_experts` as its own
     row of weight 1 (the clamped SwiGLU; a grouped GEMM on the GPU, capturable in a CUDA graph), so each pair's
     output is the expert's in x's dtype, and the float32 weighted sum in ascending expert order stays this
     module's (the kernel's default sum would weight and sum in x's dtype). `kind` picks the kernel's tiles ("decode"

@@ -1,6 +1,6 @@
 """GLM's MoE on the Triton path (mlp.moe_fused, fused.fuse_moe): the folded layout holds nothing twice and keeps the
 reference's values; on the Triton path (triton's interpreter on the CPU, the device with CUDA) the decode step's
-`moe_routed` and the prefill's `moe` equal the CPU reference (`route`, the row-by-row `routed_experts`, `swiglu`)
+`moe_routed` and the prefill's `moe` equal the CPU reference (`route`, the pair-by-pair `routed_experts`, `swiglu`)
 within the kernels' tolerances (float32 1e-5, bfloat16 2^-6), with the shared expert folded in as expert N
 (n_shared_experts = 1) or apart, group-limited routing and unnormalised weights included; a row's bits do not
 depend on its batch; the loader folds for a Triton device only; the identity names the algorithm.
@@ -54,7 +54,7 @@ def rows(T: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.Te
 
 
 def reference(w: MoeWeights, x: torch.Tensor, routing: tuple[int, int, bool]) -> torch.Tensor:
-    """`moe`'s CPU path: torch routing, one row and one expert at a time, the shared expert added."""
+    """`moe`'s CPU path: torch routing, each (row, expert) pair its own GEMM, the shared expert added."""
     n_group, topk_group, norm = routing
     mix, chosen = mlp.route(w, x, K, SCALING, norm, n_group, topk_group)
     return mlp.routed_experts(w, x, mix, chosen, LIMIT) + mlp.swiglu(w.shared_experts, x, LIMIT)
