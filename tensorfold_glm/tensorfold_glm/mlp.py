@@ -133,11 +133,17 @@ def routed_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen
         gate, up = clamped(*torch.bmm(pairs, w.gate_up[ids].transpose(1, 2)).chunk(2, dim=-1), limit)  # [P, 1, F]
         act = torch.stack([F.silu(pair) for pair in gate.unbind(0)])                 # [P, 1, F] a call a pair
         hidden = torch.bmm(act * up, w.down[ids].transpose(1, 2)).view(-1, k, E)    # [rows, k, E] x's dtype
-        total = torch.zeros(hidden.shape[0], E, dtype=torch.float32, device=x.device)
-        for j in range(k):
-            total = total + hidden[:, j].float() * weights[rows, j, None]         # float32, as HF promotes
-        out[rows] = total.to(x.dtype)
+        out[rows] = weighted_sum(hidden, weights[rows])
     return out
+
+
+def weighted_sum(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_j weights[:, j] · hidden[:, j] in float32 (as HF promotes), in j's order, rounded once to hidden's dtype:
+    hidden [T, k, E], weights [T, k] float32 -> [T, E]."""
+    total = torch.zeros(hidden.shape[0], hidden.shape[2], dtype=torch.float32, device=hidden.device)
+    for j in range(hidden.shape[1]):
+        total = total + hidden[:, j].float() * weights[:, j, None]
+    return total.to(hidden.dtype)
 
 
 def moe(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool, n_group: int,
@@ -168,10 +174,7 @@ def pair_experts(w: MoeWeights, x: torch.Tensor, weights: torch.Tensor, chosen: 
     ones = torch.ones(T * k, 1, dtype=x.dtype, device=x.device)
     hidden = kernel_experts(pairs, chosen.reshape(T * k, 1), ones, w.gate_up, w.down, kind=kind,
                             limit=limit).view(T, k, x.shape[1])                     # [T, k, E] x's dtype
-    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)              # [T, E]
-    for j in range(k):
-        total = total + hidden[:, j].float() * weights[:, j, None]
-    return total.to(x.dtype)
+    return weighted_sum(hidden, weights)
 
 
 def moe_routed(w: MoeWeights, x: torch.Tensor, top_k: int, routed_scaling: float, norm_topk_prob: bool,
